@@ -1,0 +1,286 @@
+"""Transformer LM building blocks (pre-norm, RoPE, SwiGLU), CS336 assignment 1 style."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import nn
+
+VOCAB_SIZE = 10_000
+BATCH_SIZE = 4
+CONTEXT_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": ModelConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Numerically stable softmax along `dim`."""
+    exp = torch.exp(x - x.amax(dim=dim, keepdim=True))
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool (n_queries, n_keys) mask, True where query i may attend to key j (i >= j)."""
+    q_idx = torch.arange(n_queries, device=device)[:, None]  # (Nq, 1)
+    k_idx = torch.arange(n_keys, device=device)[None, :]  # (1, Nk)
+    return q_idx >= k_idx  # (Nq, Nk)
+
+
+def scaled_dot_product_attention(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Materialized softmax(Q K^T / sqrt(d)) V; `mask` is bool, True = keep.
+
+    Q: (..., Nq, d), K: (..., Nk, d), V: (..., Nk, dv), mask broadcastable to (..., Nq, Nk).
+    Returns (..., Nq, dv).
+    """
+    d = Q.shape[-1]
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(d)  # (..., Nq, Nk)
+    if mask is not None:
+        fill = torch.tensor(max(-1e6, torch.finfo(scores.dtype).min), dtype=scores.dtype, device=scores.device)
+        scores = torch.where(mask, scores, fill)
+    probs = softmax(scores, dim=-1)  # (..., Nq, Nk)
+    return probs @ V  # (..., Nq, dv)
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer, y = x W^T with W of shape (out_features, in_features)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        std = math.sqrt(2.0 / (in_features + out_features))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T  # (..., in) -> (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Embedding(nn.Module):
+    """Lookup table of shape (num_embeddings, embedding_dim)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[token_ids]  # (...) -> (..., embedding_dim)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last dim, computed in float32 and cast back."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x = x.float()  # (..., d_model)
+        rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x / rms * self.weight.float()).to(in_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotates each pair (2i, 2i+1) of the last dim by angle pos * theta^(-2i/d_k)."""
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None) -> None:
+        super().__init__()
+        if d_k % 2 != 0:
+            raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}")
+        self.d_k = d_k
+        self.max_seq_len = max_seq_len
+        inv_freq = theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)  # (d_k/2,)
+        positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)  # (max_seq_len,)
+        angles = positions[:, None] * inv_freq[None, :]  # (max_seq_len, d_k/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        # x: (..., seq, d_k), token_positions: broadcastable to (..., seq)
+        cos = self.cos[token_positions].to(x.dtype)  # (..., seq, d_k/2)
+        sin = self.sin[token_positions].to(x.dtype)
+        x_even, x_odd = x[..., 0::2], x[..., 1::2]  # (..., seq, d_k/2) each
+        out_even = x_even * cos - x_odd * sin
+        out_odd = x_even * sin + x_odd * cos
+        return torch.stack((out_even, out_odd), dim=-1).flatten(-2)  # (..., seq, d_k)
+
+
+class SwiGLU(nn.Module):
+    """Position-wise FFN: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x)  # (..., d_ff)
+        return self.w2(gate * torch.sigmoid(gate) * self.w3(x))  # (..., d_model)
+
+
+class CausalMultiHeadSelfAttention(nn.Module):
+    """Causal MHSA; attention goes through the module-level `scaled_dot_product_attention`."""
+
+    def __init__(
+        self, d_model: int, num_heads: int, rope: RotaryEmbedding | None = None, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or d_model % num_heads != 0:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_head = d_model // num_heads
+        if rope is not None and rope.d_k != self.d_head:
+            raise ValueError(f"RoPE d_k={rope.d_k} does not match head dim d_model/num_heads={self.d_head}")
+        self.rope = rope
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        # x: (batch, seq, d_model)
+        seq_len = x.shape[-2]
+        q, k, v = (
+            rearrange(proj(x), "... s (h d) -> ... h s d", h=self.num_heads)  # (batch, heads, seq, d_head)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if self.rope is not None:
+            if token_positions is None:
+                token_positions = torch.arange(seq_len, device=x.device)  # (seq,)
+            elif token_positions.ndim > 1:
+                token_positions = token_positions.unsqueeze(-2)  # (batch, 1, seq): broadcast over heads
+            q = self.rope(q, token_positions)
+            k = self.rope(k, token_positions)
+        mask = causal_mask(seq_len, seq_len, device=x.device)  # (seq, seq)
+        out = scaled_dot_product_attention(q, k, v, mask=mask)  # (batch, heads, seq, d_head)
+        return self.output_proj(rearrange(out, "... h s d -> ... s (h d)"))  # (batch, seq, d_model)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(ln1(x)), then x + ffn(ln2(x))."""
+
+    def __init__(
+        self, d_model: int, num_heads: int, d_ff: int, rope: RotaryEmbedding | None = None, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
+        self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope, device=device, dtype=dtype)
+        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
+        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), token_positions)  # (batch, seq, d_model)
+        return x + self.ffn(self.ln2(x))
+
+
+class BasicsTransformerLM(nn.Module):
+    """Decoder-only Transformer LM: embeddings -> blocks -> RMSNorm -> lm_head."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int,
+        rope_theta: float = 10000.0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        for name, value in [
+            ("vocab_size", vocab_size),
+            ("context_length", context_length),
+            ("d_model", d_model),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("d_ff", d_ff),
+        ]:
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if d_model % num_heads != 0:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        d_head = d_model // num_heads
+        if d_head % 2 != 0:
+            raise ValueError(f"RoPE needs an even head dim, got d_model/num_heads={d_model}/{num_heads}={d_head}")
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        rope = RotaryEmbedding(rope_theta, d_head, context_length, device=device)  # shared by all layers
+        self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype) for _ in range(num_layers)
+        )
+        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
+        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+
+    @classmethod
+    def from_config(
+        cls,
+        name_or_config: str | ModelConfig,
+        vocab_size: int = VOCAB_SIZE,
+        context_length: int = CONTEXT_LENGTH,
+        rope_theta: float = 10000.0,
+        device=None,
+        dtype=None,
+    ) -> BasicsTransformerLM:
+        """Build from a `MODEL_CONFIGS` name (e.g. "small") or a `ModelConfig`."""
+        if isinstance(name_or_config, str):
+            if name_or_config not in MODEL_CONFIGS:
+                raise ValueError(f"unknown model size {name_or_config!r}; choose from {list(MODEL_CONFIGS)}")
+            config = MODEL_CONFIGS[name_or_config]
+        else:
+            config = name_or_config
+        return cls(
+            vocab_size=vocab_size,
+            context_length=context_length,
+            d_model=config.d_model,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            d_ff=config.d_ff,
+            rope_theta=rope_theta,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(self, in_indices: torch.Tensor) -> torch.Tensor:
+        # in_indices: (batch, seq) int64 -> logits (batch, seq, vocab)
+        seq_len = in_indices.shape[-1]
+        if seq_len > self.context_length:
+            raise ValueError(f"sequence length {seq_len} exceeds context_length={self.context_length}")
+        positions = torch.arange(seq_len, device=in_indices.device)  # (seq,)
+        x = self.token_embeddings(in_indices)  # (batch, seq, d_model)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.lm_head(self.ln_final(x))  # (batch, seq, vocab)
