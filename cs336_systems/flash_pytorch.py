@@ -1,0 +1,107 @@
+"""FlashAttention-2 in plain PyTorch: tiled forward (Algorithm 1), backward by recomputation.
+
+The forward walks query tiles and, inside, key tiles with an online softmax (fp32 running max m,
+denominator l and accumulator), skipping key tiles wholly above the causal diagonal. It saves
+exactly one (..., Nq) fp32 tensor, the logsumexp L, beside Q, K, V and O.
+
+The backward is one plain function (equations 13-19 of the handout, D = rowsum(dO * O)) run
+under `torch.compile`; `flash_backward_compiled` is shared with the Triton ablation variant that
+keeps a PyTorch backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cs336_systems.validation import check_attention_inputs
+
+MASKED_SCORE = -1e6  # what a causally hidden score is set to (the course's convention)
+Q_TILE_SIZE = 64
+K_TILE_SIZE = 64
+
+
+def _causal_keep(q_start: int, n_q: int, k_start: int, n_k: int, device: torch.device) -> torch.Tensor:
+    """(n_q, n_k) bool: query q_start+i may see key k_start+j iff q_start+i >= k_start+j."""
+    rows = torch.arange(q_start, q_start + n_q, device=device)
+    cols = torch.arange(k_start, k_start + n_k, device=device)
+    return rows[:, None] >= cols[None, :]
+
+
+def flash_forward_tiled(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool,
+    q_tile: int = Q_TILE_SIZE, k_tile: int = K_TILE_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled forward. Q (..., Nq, D), K/V (..., Nk, D) -> O (..., Nq, D) in Q's dtype, L (..., Nq) fp32."""
+    n_q, d = Q.shape[-2], Q.shape[-1]
+    n_k = K.shape[-2]
+    scale = d ** -0.5
+    O = torch.empty_like(Q)
+    L = torch.empty(Q.shape[:-1], device=Q.device, dtype=torch.float32)
+    for q_start in range(0, n_q, q_tile):
+        q = Q[..., q_start:q_start + q_tile, :].float()                 # (..., Bq, D)
+        bq = q.shape[-2]
+        m = torch.full(q.shape[:-1], float("-inf"), device=Q.device)    # (..., Bq)
+        l = torch.zeros(q.shape[:-1], device=Q.device)                  # (..., Bq)
+        acc = torch.zeros_like(q)                                       # (..., Bq, D)
+        k_stop = min(n_k, q_start + bq) if is_causal else n_k           # tiles past the diagonal are skipped
+        for k_start in range(0, k_stop, k_tile):
+            k = K[..., k_start:k_start + k_tile, :].float()             # (..., Bk, D)
+            v = V[..., k_start:k_start + k_tile, :].float()
+            s = q @ k.transpose(-1, -2) * scale                         # (..., Bq, Bk)
+            if is_causal and k_start + k.shape[-2] - 1 > q_start:       # tile crosses the diagonal
+                keep = _causal_keep(q_start, bq, k_start, k.shape[-2], Q.device)
+                s = torch.where(keep, s, MASKED_SCORE)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])                         # (..., Bq, Bk)
+            alpha = torch.exp(m - m_new)
+            l = alpha * l + p.sum(dim=-1)
+            acc = alpha[..., None] * acc + p.to(V.dtype).float() @ v
+            m = m_new
+        O[..., q_start:q_start + bq, :] = (acc / l[..., None]).to(Q.dtype)
+        L[..., q_start:q_start + bq] = m + torch.log(l)
+    return O, L
+
+
+def flash_backward(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor,
+    L: torch.Tensor, is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward by recomputation (handout eqs. 13-19), in fp32, gradients in the inputs' dtype."""
+    scale = Q.shape[-1] ** -0.5
+    q, k, v, o, do = (t.float() for t in (Q, K, V, O, dO))
+    S = q @ k.transpose(-1, -2) * scale                                 # (..., Nq, Nk)
+    if is_causal:
+        keep = _causal_keep(0, Q.shape[-2], 0, K.shape[-2], Q.device)
+        S = torch.where(keep, S, MASKED_SCORE)
+    P = torch.exp(S - L[..., None])                                     # (..., Nq, Nk)
+    D = (do * o).sum(dim=-1, keepdim=True)                              # (..., Nq, 1)
+    dV = P.transpose(-1, -2) @ do
+    dP = do @ v.transpose(-1, -2)
+    dS = P * (dP - D)
+    dQ = dS @ k * scale
+    dK = dS.transpose(-1, -2) @ q * scale
+    return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype)
+
+
+flash_backward_compiled = torch.compile(flash_backward, dynamic=True)
+
+
+class FlashAttention2Pytorch(torch.autograd.Function):
+    """FlashAttention-2 with a tiled PyTorch forward and a compiled recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, Q, K, V, is_causal=False):
+        check_attention_inputs(Q, K, V, is_causal)
+        O, L = flash_forward_tiled(Q, K, V, is_causal)
+        ctx.save_for_backward(L, Q, K, V, O)
+        ctx.is_causal = is_causal
+        return O
+
+    @staticmethod
+    def backward(ctx, dO):
+        L, Q, K, V, O = ctx.saved_tensors
+        dQ, dK, dV = flash_backward_compiled(Q, K, V, O, dO, L, ctx.is_causal)
+        return dQ, dK, dV, None
+
+
+flash_attention_pytorch = FlashAttention2Pytorch.apply
