@@ -29,8 +29,8 @@ from cs336_systems.flash_pytorch import flash_backward_compiled
 from cs336_systems.validation import check_attention_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535
 
@@ -181,18 +181,15 @@ def _prune(tile_names: tuple[str, str], len_names: tuple[str, str]):
 
 
 FWD_CONFIGS = _configs(
-    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 32, 4, 4),
-     (64, 64, 4, 3), (64, 32, 4, 4), (32, 32, 4, 3), (16, 16, 2, 2)],
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 DKDV_CONFIGS = _configs(
-    [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-     (16, 64, 4, 3), (16, 16, 2, 2)],
+    [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 DQ_CONFIGS = _configs(
-    [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-     (64, 16, 4, 3), (16, 16, 2, 2)],
+    [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 _AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "is_causal"]
@@ -521,6 +518,10 @@ def _launch_args(opts: KernelOptions, kernel_autotuned, kernel_plain):
     return kernel_plain, dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile, num_warps=warps, num_stages=stages)
 
 
+# torch.compile (the leaderboard compiles `.apply`) would re-generate these Triton kernels through
+# Inductor, which fails on them (a tl.dot accumulator type assertion in Triton 3.6); the launchers
+# run eagerly instead, as a graph break, so compiled and eager callers launch the same kernels.
+@torch.compiler.disable
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     opts: KernelOptions = DEFAULT_OPTIONS,
@@ -547,6 +548,7 @@ def flash_forward_triton(
     return o, lse
 
 
+@torch.compiler.disable
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS,
