@@ -443,7 +443,8 @@ def render_leaderboard(rows: list[Row], out: Path) -> tuple[list[str], list[Path
         body = []
         entries = list(dict.fromkeys((r["variant"], r["impl"], r.get("compiled")) for r in group))
         for variant, impl, compiled in entries:
-            line = [variant, impl, compiled]
+            first = _pick(group, variant=variant)
+            line = [variant, impl, compiled, f"{fmt_num(first.get('rep_ms'))}/{fmt_num(first.get('warmup_ms'))}"]
             for mode in modes:
                 r = _pick(group, variant=variant, mode=mode)
                 line += [ms_cell(r), status_cell(r) or fmt_num(r.get("ms_mean")),
@@ -453,7 +454,7 @@ def render_leaderboard(rows: list[Row], out: Path) -> tuple[list[str], list[Path
                     line.append(ratio_cell(_pick(group, variant=ref, mode=mode), r, "ms_mean")
                                 if impl not in ("sdpa_flash", "sdpa_cudnn") else "")
             body.append(line)
-        headers = ["variant", "impl", "compiled"]
+        headers = ["variant", "impl", "compiled", "do_bench rep/warmup ms"]
         for mode in modes:
             headers += [f"{mode} median ms", f"{mode} mean ms (harness)", f"{mode} p20–p80", f"{mode} TFLOP/s",
                         f"{mode} ours/sdpa_flash", f"{mode} ours/sdpa_cudnn"]
