@@ -337,6 +337,8 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
 
     for key, group in group_by(rows, ("context_length", "impl", "dtype")):
         sizes = distinct(group, "model_size")
+        if len(sizes) < 2 and len(distinct(group, "compiled")) < 2:
+            continue  # one bar per mode: the context-sweep plot below shows it
         fig, axes = new_figure(len(modes))
         for ax, mode in zip(axes, modes):
             width = 0.8 / max(len(variants), 1)
@@ -356,17 +358,18 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
         plots.append(save(fig, out / f"{slug('model', *key)}.png", f"model step time, {subtitle(fields, key)}"))
 
     for key, group in group_by(rows, ("model_size", "dtype")):
-        if len(distinct(group, "context_length")) < 2:
+        swept = [m for m in modes if len(distinct([r for r in group if r["mode"] == m], "context_length")) > 1]
+        if not swept:
             continue
-        fig, axes = new_figure(2 * len(modes))
-        for i, mode in enumerate(modes):
+        fig, axes = new_figure(2 * len(swept))
+        for i, mode in enumerate(swept):
             sel = [r for r in group if r["mode"] == mode]
             line_plot(axes[i], sel, "context_length", _model_series, lambda r: r.get("ms_mean", r["ms"]))
             log_axes(axes[i], "context length", "ms per step")
             axes[i].set_title(f"{mode} time")
-            line_plot(axes[len(modes) + i], sel, "context_length", _model_series, lambda r: r.get("peak_mem_mb"))
-            log_axes(axes[len(modes) + i], "context length", "peak MB")
-            axes[len(modes) + i].set_title(f"{mode} peak memory")
+            line_plot(axes[len(swept) + i], sel, "context_length", _model_series, lambda r: r.get("peak_mem_mb"))
+            log_axes(axes[len(swept) + i], "context length", "peak MB")
+            axes[len(swept) + i].set_title(f"{mode} peak memory")
         fields = ("model_size", "dtype")
         plots.append(
             save(fig, out / f"{slug('model_context', *key)}.png", f"model context sweep, {subtitle(fields, key)}")
@@ -385,10 +388,14 @@ def render_flash(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     fields = ("dtype", "mode", "batch", "is_causal")
     for key, group in group_by(rows, fields):
         columns = [(impl, _is(impl=impl)) for impl in impls]
+        # references with at least one completed row here (SDPA flash / cuDNN have none in fp32)
+        refs = [
+            ref for ref in ("naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+            if "flash_triton" in impls and any(r["impl"] == ref and ok(r) for r in group)
+        ]
         extra = [
             (f"flash_triton speedup vs {ref}", lambda p, ref=ref: ratio_cell(p["flash_triton"], p[ref]))
-            for ref in ("naive", "sdpa_flash")
-            if ref in impls and "flash_triton" in impls
+            for ref in refs
         ]
         if "flash_triton" in impls:
             extra.append(("flash_triton TFLOP/s", _tflops_cell("flash_triton")))
@@ -404,8 +411,7 @@ def render_flash(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             ax.set_title(f"d={d}")
         plots.append(save(fig, out / f"{slug('flash_latency', *key[:2])}.png", f"latency, {subtitle(fields, key)}"))
 
-        refs = [ref for ref in ("naive", "sdpa_flash") if ref in impls]
-        if "flash_triton" in impls and refs:
+        if refs:
             fig, axes = new_figure(len(refs))
             for ax, ref in zip(axes, refs):
                 speedup_rows = []
