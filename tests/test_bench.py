@@ -6,14 +6,19 @@ The smoke runs use the CPU (and Triton's interpreter, enabled in conftest.py) un
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cs336_systems import flash_triton
 from cs336_systems.bench import attention as attention_bench
 from cs336_systems.bench import autotune as autotune_bench
 from cs336_systems.bench import cli
+from cs336_systems.bench import resources as resources_bench
 from cs336_systems.bench.record import KEY_FIELDS, Recorder, read_rows
 
 REQUIRED = (
@@ -311,3 +316,40 @@ def test_bench_report_renders_gpu_shaped_rows(tmp_path):
     autotune_md = (tmp_path / "autotune" / "table.md").read_text()
     assert "Every config tried" in autotune_md and "1024 1024 64 True torch.bfloat16" in autotune_md
     assert (tmp_path / "autotune" / "autotune_configs.png").exists()
+
+
+def test_bench_resources_compiles_every_kernel_for_sm90(tmp_path):
+    """The real kernels (not the interpreter) compile for sm_90a without a GPU; ptxas's report is recorded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "cs336_systems.bench.cli", "resources", "--configs", "first", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"
+    rows = rows_of(tmp_path, "resources")
+    assert sorted(r["mode"] for r in rows) == ["dkdv", "dq", "fwd"], rows
+    for r in rows:
+        assert r["status"] == "ok" and r["target"] == "sm_90a" and r["gpu"] == "none", r
+        assert 0 < r["registers"] <= 255 and r["shared_mem_bytes"] > 0, r
+        assert r["wgmma"] is True, f"{r['mode']} {r['variant']}: bf16 on sm_90a should use wgmma"
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "resources"]) == 0
+    assert "| dkdv | " in (tmp_path / "resources" / "table.md").read_text()
+
+
+def test_bench_resources_refuses_interpreted_kernels(tmp_path):
+    # conftest.py enabled the interpreter (no CUDA here), so the kernels cannot be compiled for a target
+    if not flash_triton.INTERPRET:
+        pytest.skip("kernels are compiled for the GPU in this session")
+    with pytest.raises(SystemExit, match="without TRITON_INTERPRET=1"):
+        cli.main(["resources", "--configs", "first", "--out", str(tmp_path)])
+
+
+def test_resources_launch_arithmetic():
+    # contiguous (B, H=16, S=1024, D=64) tensors; L is (B, H, S)
+    assert [resources_bench.stride_value(n, 16, 1024, 64) for n in ("stride_qb", "stride_qh", "stride_qq", "stride_qd")] \
+        == [16 * 1024 * 64, 1024 * 64, 64, 1]
+    assert [resources_bench.stride_value(n, 16, 1024, 64) for n in ("stride_lb", "stride_lh", "stride_lq")] \
+        == [16 * 1024, 1024, 1]
+    assert resources_bench.stride_value("stride_dkk", 16, 1024, 64) == 64
+    # 255 registers round to 256: one 8-warp CTA (256 threads) fills the 65,536-register file
+    assert resources_bench.warps_per_sm(255, 8) == 8
+    assert resources_bench.warps_per_sm(128, 4) == 16
+    assert resources_bench.warps_per_sm(129, 4) == 12

@@ -1,7 +1,8 @@
-"""`cs336-bench <problem>`: one subcommand per benchmarking problem, plus `report`.
+"""`cs336-bench <problem>`: one subcommand per benchmarking problem, plus `report` and `resources`.
 
 Every problem appends rows to `<out>/<problem>/metrics.jsonl` (see `record.py`); `report` renders
-tables and plots from those files only.
+tables and plots from those files only. `resources` needs no GPU: it compiles the kernels for a CUDA
+target and records what ptxas reports.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.bench import attention, autotune, flash, leaderboard, model, report
+from cs336_systems.bench import attention, autotune, flash, leaderboard, model, report, resources
 from cs336_systems.bench.record import Recorder, add_common_args
 
 PROBLEMS = {m.NAME: m for m in (attention, model, flash, leaderboard, autotune)}
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cs336-bench",
         description="Benchmarks for CS336 assignment 2 (attention, end-to-end model, FlashAttention-2).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join([*PROBLEMS, "report"]) + "}")
+    commands = [*PROBLEMS, "report", resources.NAME]
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
     for name, module in PROBLEMS.items():
         p = sub.add_parser(
             name,
@@ -48,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_common_args(p)
     p = sub.add_parser("report", help=report.HELP, description=report.__doc__, formatter_class=HelpFormatter)
     report.add_arguments(p)
+    p = sub.add_parser(resources.NAME, help=resources.HELP, description=resources.__doc__,
+                       formatter_class=HelpFormatter)
+    resources.add_arguments(p)
     return parser
 
 
@@ -73,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "report":
         return report.run(args)
+    if args.command == resources.NAME:  # compiles for a target; no device involved
+        recorder = Recorder(args.out, resources.NAME, torch.device("cpu"), resume=args.resume)
+        rc = resources.run(args, recorder)
+        print(recorder.summary())
+        return rc or int(any(k.startswith("error") for k in recorder.counts))
 
     device = select_device(args.smoke)
     if device is None:

@@ -16,7 +16,7 @@ from typing import Any
 from cs336_systems.bench.record import KEY_FIELDS, key_of, read_rows
 
 HELP = "render table.md and PNG plots from <out>/<problem>/metrics.jsonl"
-PROBLEM_ORDER = ("attention", "model", "flash", "leaderboard", "autotune")
+PROBLEM_ORDER = ("attention", "model", "flash", "leaderboard", "autotune", "resources")
 SIZE_ORDER = ("smoke", "small", "medium", "large", "xl", "2.7B")
 IMPL_ORDER = (
     "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
@@ -544,6 +544,27 @@ def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     return sections, plots
 
 
+def render_resources(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
+    rows = latest(rows)
+    sections = []
+    fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
+    headers = ["kernel", "config (tiles/warps/stages)", "registers", "spill store/load B", "stack B",
+               "shared mem KiB", "warps/SM (registers)", "wgmma"]
+    for key, group in group_by(rows, fields):
+        body = [
+            [r["mode"], r["variant"], r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+             r["stack_bytes"], fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"], r["wgmma"]]
+            if r.get("status") == "ok" else [r["mode"], r["variant"], r.get("status"), "", "", "", "", ""]
+            for r in group
+        ]
+        sections.append(
+            f"## ptxas resources, {subtitle(fields, key)}\n\n"
+            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers\n\n"
+            + markdown(headers, body)
+        )
+    return sections, []
+
+
 def render_generic(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     rows = latest(rows)
     fields = [f for f in KEY_FIELDS if any(r.get(f) is not None for r in rows)]
@@ -557,4 +578,5 @@ RENDERERS: dict[str, Callable[[list[Row], Path], tuple[list[str], list[Path]]]] 
     "flash": render_flash,
     "leaderboard": render_leaderboard,
     "autotune": render_autotune,
+    "resources": render_resources,
 }
