@@ -20,6 +20,7 @@ from cs336_systems.bench import autotune as autotune_bench
 from cs336_systems.bench import cli
 from cs336_systems.bench import resources as resources_bench
 from cs336_systems.bench.record import KEY_FIELDS, Recorder, read_rows
+from cs336_systems.bench.report import fmt_num
 
 REQUIRED = (
     "problem", "impl", "mode", "dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal", "ms", "ms_p20",
@@ -81,6 +82,22 @@ def test_bench_smoke_model(tmp_path):
     }
     assert all(r["status"] == "ok" for r in rows)
     check_report(tmp_path, "model")
+
+
+def test_bench_smoke_model_warmup_experiment(tmp_path):
+    """benchmarking_script (c): runs with 0 and 1 warm-up steps sit side by side, first timed step shown."""
+    for warmup in ("0", "1"):
+        assert run_cli("model", "--smoke", "--warmup", warmup, "--steps", "2", "--compile", "eager",
+                       "--modes", "fwd", "--out", str(tmp_path), "--resume") == 0
+    rows = read_rows(tmp_path / "model" / "metrics.jsonl")
+    assert sorted(r["warmup_steps"] for r in rows) == [0, 1]
+    assert all(r["first_ms"] > 0 for r in rows), rows
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "model"]) == 0
+    table = (tmp_path / "model" / "table.md").read_text()
+    section = table.split("## Warm-up effect")[1].split("##")[0]
+    assert "warmup 0" in section and "warmup 1" in section
+    first = {r["warmup_steps"]: r["first_ms"] for r in rows}
+    assert f"({fmt_num(first[0])})" in section and f"({fmt_num(first[1])})" in section, section
 
 
 def test_bench_smoke_model_swapped_attention(tmp_path):

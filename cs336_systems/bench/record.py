@@ -195,7 +195,7 @@ def time_calls(
         fn()
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return summarize_ms(times)
+    return {**summarize_ms(times), "first_ms": times[0]}  # first_ms: shows what warm-up absorbs
 
 
 def bench(

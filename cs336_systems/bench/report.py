@@ -327,6 +327,16 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             (f"compile speedup {mode}", lambda p, m=mode: ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean"))
             for mode in modes
         ]
+    warmups = distinct(rows, "warmup_steps")
+    if len(warmups) > 1:
+        warm_rows = [r for r in rows if len({x.get("warmup_steps") for x in rows if _same_setup(x, r)}) > 1]
+        sections.append(
+            "## Warm-up effect (ms: mean ± std over timed steps; first timed step in brackets)\n\n"
+            + pivot(
+                warm_rows, ["model_size", "context_length", "impl", "dtype", "compiled", "mode"],
+                [(f"warmup {w}", _is(warmup_steps=w)) for w in warmups], _mean_std_first_cell,
+            )
+        )
     sections += [
         "## Step time (ms, mean ± std over timed steps)\n\n" + pivot(rows, index, columns, mean_std_cell, extra),
         "## Throughput (tokens/s, from the mean step time)\n\n"
@@ -375,6 +385,18 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             save(fig, out / f"{slug('model_context', *key)}.png", f"model context sweep, {subtitle(fields, key)}")
         )
     return sections, plots
+
+
+def _same_setup(a: Row, b: Row) -> bool:
+    fields = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
+    return all(a.get(f) == b.get(f) for f in fields)
+
+
+def _mean_std_first_cell(r: Row | None) -> str:
+    cell = mean_std_cell(r)
+    if ok(r) and r.get("first_ms") is not None:
+        cell += f" ({fmt_num(r['first_ms'])})"
+    return cell
 
 
 def _model_series(r: Row) -> str:
