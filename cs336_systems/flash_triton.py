@@ -34,6 +34,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 MAX_HEAD_DIM = 128  # the largest head dim tested on the GPU
 MAX_GRID_Y = 65535
 
+
+def padded_dim(n: int) -> int:
+    """A length as the kernels tile it: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 if INTERPRET:
     from cs336_systems import triton_interpreter_fixes
 
@@ -168,7 +174,7 @@ def _prune(tile_names: tuple[str, str], len_names: tuple[str, str]):
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        lengths = [max(16, triton.next_power_of_2(args[n])) for n in len_names]
+        lengths = [padded_dim(args[n]) for n in len_names]
         kept = [c for c in configs if all(c.kwargs[t] <= n for t, n in zip(tile_names, lengths))]
         return kept or [min(configs, key=lambda c: c.kwargs[tile_names[0]] * c.kwargs[tile_names[1]])]
 
@@ -537,7 +543,7 @@ def flash_forward_triton(
         q4, k4, v4, o4, l3,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(l3),
         heads, n_q, n_k, d ** -0.5,
-        D=d, D_TILE=max(16, triton.next_power_of_2(d)), is_causal=is_causal,
+        D=d, D_TILE=padded_dim(d), is_causal=is_causal,
         SKIP_MASKED_TILES=opts.skip_masked_tiles, **extra,
     )
     return o, lse
@@ -553,7 +559,7 @@ def flash_backward_triton(
     l3 = lse.reshape(q4.shape[:-1])
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
-    d_tile = max(16, triton.next_power_of_2(d))
+    d_tile = padded_dim(d)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)

@@ -126,6 +126,7 @@ def warps_per_sm(registers: int, num_warps: int) -> int:
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
     from triton.compiler.errors import CompilationError
 
     from cs336_systems import flash_triton as ft
@@ -152,12 +153,12 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                         n_heads=args.n_heads, seq_len=args.seq, d_head=d, is_causal=args.causal,
                         variant=f"Q{tiles[0]}xK{tiles[1]}/w{config.num_warps}/s{config.num_stages}",
                         q_tile=tiles[0], k_tile=tiles[1], num_warps=config.num_warps,
-                        num_stages=config.num_stages, target=f"sm_{args.arch}a" if args.arch == 90 else f"sm_{args.arch}",
+                        num_stages=config.num_stages, target=sm_arch_from_capability(args.arch),
                     )
                     if rec.is_done(fields):
                         continue
                     constexprs = dict(
-                        D=d, D_TILE=max(16, 1 << (d - 1).bit_length()), is_causal=args.causal,
+                        D=d, D_TILE=ft.padded_dim(d), is_causal=args.causal,
                         SKIP_MASKED_TILES=True, **config.kwargs,
                     )
                     launch = launch_arguments(fn, DTYPES[dtype_name], args.n_heads, args.seq, d)
