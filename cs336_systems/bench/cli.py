@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return report.run(args)
     if args.command == resources.NAME:  # compiles for a target; no device involved
-        recorder = Recorder(args.out, resources.NAME, torch.device("cpu"), resume=args.resume)
-        rc = resources.run(args, recorder)
-        print(recorder.summary())
-        return rc or int(any(k.startswith("error") for k in recorder.counts))
+        return run_problem(resources, args, Recorder(args.out, resources.NAME, torch.device("cpu"), args.resume))
 
     device = select_device(args.smoke)
     if device is None:
@@ -97,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tempfile.mkdtemp(prefix="cs336-bench-smoke-")) if args.smoke else DEFAULT_OUT
     recorder = Recorder(out, args.command, device, resume=args.resume)
     print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} out={recorder.path}")
-    rc = PROBLEMS[args.command].run(args, recorder) or 0
+    return run_problem(PROBLEMS[args.command], args, recorder)
+
+
+def run_problem(module, args: argparse.Namespace, recorder: Recorder) -> int:
+    """Run one problem's sweep; exit code 1 if any row recorded an error."""
+    rc = module.run(args, recorder) or 0
     print(recorder.summary())
     if rc == 0 and any(k.startswith("error") for k in recorder.counts):
         rc = 1

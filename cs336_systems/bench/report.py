@@ -318,7 +318,8 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     modes = [m for m in ("fwd", "bwd", "fwd_bwd", "step") if any(r["mode"] == m for r in rows)]
     variants = [(c, "compiled" if c else "eager") for c in distinct(rows, "compiled")]
     index = ["model_size", "context_length", "impl", "dtype", "batch"]
-    if len(distinct(rows, "warmup_steps")) > 1:
+    warmups = distinct(rows, "warmup_steps")
+    if len(warmups) > 1:
         index.append("warmup_steps")
     columns = [(f"{mode} {label}", _is(mode=mode, compiled=c)) for mode in modes for c, label in variants]
     extra = []
@@ -327,9 +328,9 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             (f"compile speedup {mode}", lambda p, m=mode: ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean"))
             for mode in modes
         ]
-    warmups = distinct(rows, "warmup_steps")
     if len(warmups) > 1:
-        warm_rows = [r for r in rows if len({x.get("warmup_steps") for x in rows if _same_setup(x, r)}) > 1]
+        setup = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
+        warm_rows = [r for _, g in group_by(rows, setup) if len(distinct(g, "warmup_steps")) > 1 for r in g]
         sections.append(
             "## Warm-up effect (ms: mean ± std over timed steps; first timed step in brackets)\n\n"
             + pivot(
@@ -385,11 +386,6 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             save(fig, out / f"{slug('model_context', *key)}.png", f"model context sweep, {subtitle(fields, key)}")
         )
     return sections, plots
-
-
-def _same_setup(a: Row, b: Row) -> bool:
-    fields = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
-    return all(a.get(f) == b.get(f) for f in fields)
 
 
 def _mean_std_first_cell(r: Row | None) -> str:
