@@ -20,7 +20,7 @@ from cs336_systems.bench import autotune as autotune_bench
 from cs336_systems.bench import cli
 from cs336_systems.bench import resources as resources_bench
 from cs336_systems.bench.record import KEY_FIELDS, Recorder, read_rows
-from cs336_systems.bench.report import fmt_num
+from cs336_systems.bench.report import fmt_num, mean_std_cell
 
 REQUIRED = (
     "problem", "impl", "mode", "dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal", "ms", "ms_p20",
@@ -98,6 +98,10 @@ def test_bench_smoke_model_warmup_experiment(tmp_path):
     assert "warmup 0" in section and "warmup 1" in section
     first = {r["warmup_steps"]: r["first_ms"] for r in rows}
     assert f"({fmt_num(first[0])})" in section and f"({fmt_num(first[1])})" in section, section
+    steps = table.split("## Step time")[1].split("##")[0]
+    warmed = next(r for r in rows if r["warmup_steps"] == 1)
+    assert mean_std_cell(warmed) in steps, f"step-time table should show the 1-warm-up run:\n{steps}"
+    assert "warmup_steps" not in steps, f"only the most warmed-up run belongs in the step-time table:\n{steps}"
 
 
 def test_bench_smoke_model_swapped_attention(tmp_path):

@@ -317,9 +317,13 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     sections, plots = [], []
     modes = [m for m in ("fwd", "bwd", "fwd_bwd", "step") if any(r["mode"] == m for r in rows)]
     variants = [(c, "compiled" if c else "eager") for c in distinct(rows, "compiled")]
-    index = ["model_size", "context_length", "impl", "dtype", "batch"]
+    setup = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
+    by_setup = group_by(rows, setup)
     warmups = distinct(rows, "warmup_steps")
-    if len(warmups) > 1:
+    # Step-time tables and plots: per setup the most warmed-up run; fewer warm-up steps only in their own table.
+    steady = [max(g, key=lambda r: r.get("warmup_steps") or 0) for _, g in by_setup]
+    index = ["model_size", "context_length", "impl", "dtype", "batch"]
+    if len(distinct(steady, "warmup_steps")) > 1:
         index.append("warmup_steps")
     columns = [(f"{mode} {label}", _is(mode=mode, compiled=c)) for mode in modes for c, label in variants]
     extra = []
@@ -329,8 +333,7 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             for mode in modes
         ]
     if len(warmups) > 1:
-        setup = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
-        warm_rows = [r for _, g in group_by(rows, setup) if len(distinct(g, "warmup_steps")) > 1 for r in g]
+        warm_rows = [r for _, g in by_setup if len(distinct(g, "warmup_steps")) > 1 for r in g]
         sections.append(
             "## Warm-up effect (ms: mean ± std over timed steps; first timed step in brackets)\n\n"
             + pivot(
@@ -339,14 +342,14 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
             )
         )
     sections += [
-        "## Step time (ms, mean ± std over timed steps)\n\n" + pivot(rows, index, columns, mean_std_cell, extra),
+        "## Step time (ms, mean ± std over timed steps)\n\n" + pivot(steady, index, columns, mean_std_cell, extra),
         "## Throughput (tokens/s, from the mean step time)\n\n"
-        + pivot(rows, index, columns, lambda r: status_cell(r) or fmt_num(r.get("tokens_per_s"))),
+        + pivot(steady, index, columns, lambda r: status_cell(r) or fmt_num(r.get("tokens_per_s"))),
         "## Peak memory (MB, max_memory_allocated over the mode's steps)\n\n"
-        + pivot(rows, index, columns, lambda r: status_cell(r) or fmt_num(r.get("peak_mem_mb"))),
+        + pivot(steady, index, columns, lambda r: status_cell(r) or fmt_num(r.get("peak_mem_mb"))),
     ]
 
-    for key, group in group_by(rows, ("context_length", "impl", "dtype")):
+    for key, group in group_by(steady, ("context_length", "impl", "dtype")):
         sizes = distinct(group, "model_size")
         if len(sizes) < 2 and len(distinct(group, "compiled")) < 2:
             continue  # one bar per mode: the context-sweep plot below shows it
@@ -368,7 +371,7 @@ def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
         fields = ("context_length", "impl", "dtype")
         plots.append(save(fig, out / f"{slug('model', *key)}.png", f"model step time, {subtitle(fields, key)}"))
 
-    for key, group in group_by(rows, ("model_size", "dtype")):
+    for key, group in group_by(steady, ("model_size", "dtype")):
         swept = [m for m in modes if len(distinct([r for r in group if r["mode"] == m], "context_length")) > 1]
         if not swept:
             continue
