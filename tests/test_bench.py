@@ -156,6 +156,38 @@ def test_bench_smoke_autotune(tmp_path):
     check_report(tmp_path, "autotune")
 
 
+def test_bench_smoke_autotune_wide(tmp_path):
+    """--wide: the named kernel tunes over its own grid, rows say so, and the shipped configs come back."""
+    from cs336_systems.flash_triton import AUTOTUNED_KERNELS
+
+    shipped = {n: k.configs for n, k in AUTOTUNED_KERNELS.items()}
+    assert run_cli("autotune", "--smoke", "--wide", "flash_bwd_dkdv", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "autotune")
+    assert {r["variant"] for r in rows} == {"wide: flash_bwd_dkdv"}, rows
+    grids = {n: [autotune_bench.config_dict(c) for c in configs] for n, configs in shipped.items()}
+    grids["flash_bwd_dkdv"] = [autotune_bench.config_dict(c) for c in autotune_bench.wide_configs("flash_bwd_dkdv")]
+    for r in rows:
+        if r["kernel"] != autotune_bench.TUNING_CALL:
+            grid = grids[r["kernel"]]
+            assert r["best_config_kwargs"] in grid and r["n_configs"] == len(grid), (r["kernel"], r)
+    assert {n: k.configs for n, k in AUTOTUNED_KERNELS.items()} == shipped
+    check_report(tmp_path, "autotune")
+    assert "wide: flash_bwd_dkdv" in (tmp_path / "autotune" / "table.md").read_text()
+
+
+def test_bench_autotune_wide_grid():
+    """Every tile pair of the wide grid with every warp and stage count, no duplicates."""
+    from unittest import mock
+
+    with mock.patch("cs336_systems.flash_triton.INTERPRET", False):
+        for name, tiles in autotune_bench.WIDE_TILES.items():
+            configs = autotune_bench.wide_configs(name)
+            seen = {(c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"], c.num_warps, c.num_stages) for c in configs}
+            assert len(seen) == len(configs) == len(tiles) * len(autotune_bench.WIDE_WARPS) * len(
+                autotune_bench.WIDE_STAGES
+            ), name
+
+
 def test_bench_autotune_observe_records_every_config():
     """A real (interpreted) Autotuner with a fake benchmarker: observe() captures key, choice and all timings."""
     if torch.cuda.is_available():

@@ -9,6 +9,11 @@ chosen config, its time, and the time of every config tried. Kernels that were n
 (cached key, or a single config as under the interpreter) get a row with tuned=false; keys answered
 from Triton's on-disk autotuning cache (TRITON_CACHE_AUTOTUNING=1) get from_disk_cache=true. A
 "(tuning call)" row per shape records the wall time of the tuning forward + backward.
+
+`--wide KERNEL ...` tunes the named kernels over a wide grid instead of their shipped configs
+(`WIDE_TILES` x warps `WIDE_WARPS` x pipeline stages `WIDE_STAGES`), to look for configs worth
+shipping; the shape's rows carry variant "wide: <kernels>". Configs that cannot launch (too much shared memory) are
+timed by the autotuner as inf and kept in the record.
 """
 
 from __future__ import annotations
@@ -35,6 +40,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--n-heads", type=int, default=None, help="heads (default 16; 1 in smoke runs)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
+    p.add_argument(
+        "--wide", nargs="+", choices=list(WIDE_TILES), default=None, metavar="KERNEL",
+        help=f"tune these kernels over a wide config grid instead of the shipped configs ({', '.join(WIDE_TILES)})",
+    )
+
+
+# (Q_TILE_SIZE, K_TILE_SIZE) per kernel for --wide; every pair runs with each warp count and stage count.
+WIDE_TILES = {
+    "flash_fwd": ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128)),
+    "flash_bwd_dkdv": ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128)),
+    "flash_bwd_dq": ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)),
+}
+WIDE_WARPS = (4, 8)
+WIDE_STAGES = (2, 3, 4, 5)
+WIDE = "wide"  # the rows' variant when --wide is given
+
+
+def wide_configs(name: str) -> list:
+    """The wide grid for one kernel.
+
+    Under the interpreter: one config, the pinned 16 x 16 tiles with 2 stages (which the interpreter
+    ignores), so that a CPU test can tell it from the shipped kernels' pinned 1-stage config.
+    """
+    import triton
+
+    from cs336_systems.flash_triton import INTERPRET
+
+    if INTERPRET:
+        return [triton.Config({"Q_TILE_SIZE": 16, "K_TILE_SIZE": 16}, num_warps=1, num_stages=2)]
+    return [
+        triton.Config({"Q_TILE_SIZE": q, "K_TILE_SIZE": k}, num_warps=w, num_stages=s)
+        for q, k in WIDE_TILES[name] for w in WIDE_WARPS for s in WIDE_STAGES
+    ]
+
+
+@contextmanager
+def configs_replaced(kernels: dict[str, Any], names: list[str]) -> Iterator[None]:
+    """Tune the named autotuners over their wide grid; their configs and tuning cache are restored after."""
+    saved = {n: (kernels[n].configs, dict(kernels[n].cache)) for n in names}
+    for n in names:
+        kernels[n].configs = wide_configs(n)
+        kernels[n].cache.clear()
+    try:
+        yield
+    finally:
+        for n, (configs, cache) in saved.items():
+            kernels[n].configs = configs
+            kernels[n].cache.clear()
+            kernels[n].cache.update(cache)
 
 
 def config_dict(config) -> dict[str, Any]:
@@ -139,12 +193,15 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     dtypes = resolve(args, "dtype", ["bf16"], ["fp32"])
     n_heads = resolve(args, "n_heads", 16, 1)
 
+    wide = sorted(args.wide or [])
     shapes = [(dt, d, s) for dt in dtypes for d in dims for s in seqs]
     for dtype_name, d, seq in progress(shapes, args, NAME):
         fields = dict(
             impl="flash_triton", mode="fwd_bwd", dtype=dtype_name, batch=args.batch, n_heads=n_heads,
             seq_len=seq, d_head=d, is_causal=args.causal,
         )
+        if wide:
+            fields["variant"] = f"{WIDE}: {' '.join(wide)}"
         if rec.is_done(fields):
             continue
         events: list[dict[str, Any]] = []
@@ -157,7 +214,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 for _ in range(3)
             )
             start = time.perf_counter()
-            with observe(kernels) as observed:
+            with configs_replaced(kernels, wide), observe(kernels) as observed:
                 try:
                     flash_triton.flash_attention(q, k, v, is_causal=args.causal).sum().backward()
                     synchronize(device)

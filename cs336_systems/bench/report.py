@@ -513,6 +513,8 @@ def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
 
     rows = latest(rows, (*KEY_FIELDS, "kernel", "tuning_key"))
     shape = ("dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal")
+    if any(r.get("variant") for r in rows):  # --wide runs beside the shipped configs' runs
+        shape = (*shape, "variant")
     calls = [r for r in rows if r.get("kernel") == TUNING_CALL]
     kernels = [r for r in rows if r.get("kernel") != TUNING_CALL]
     sections, plots = [], []
@@ -550,7 +552,7 @@ def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     fig, axes = new_figure(max(len(names), 1), width=7)
     for ax, name in zip(axes, names):
         sel = sort_rows([r for r in kernels if r.get("kernel") == name and r["status"] == "ok"], shape)
-        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" for r in sel]
+        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + (" wide" if r.get("variant") else "") for r in sel]
         for i, r in enumerate(sel):
             tried = [c["ms"] for c in r.get("configs") or [] if c.get("ms") and math.isfinite(c["ms"])]
             if tried and r.get("ms"):
