@@ -186,11 +186,11 @@ FWD_CONFIGS = _configs(
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 DKDV_CONFIGS = _configs(
-    [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    [(128, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 DQ_CONFIGS = _configs(
-    [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
 _AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "is_causal"]
