@@ -508,6 +508,17 @@ def render_leaderboard(rows: list[Row], out: Path) -> tuple[list[str], list[Path
     return sections, plots
 
 
+def _cells(r: Row, fields: Sequence[str]) -> list[Any]:
+    return ["–" if r.get(f) is None else r.get(f) for f in fields]
+
+
+def _wide_label(r: Row, kernel: str) -> str:
+    """' wide' where this kernel tuned over the --wide grid, ' (wide run)' where another kernel did."""
+    if not r.get("variant"):
+        return ""
+    return " wide" if kernel in r["variant"].split() else " (wide run)"
+
+
 def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     from cs336_systems.bench.autotune import TUNING_CALL
 
@@ -521,14 +532,14 @@ def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     sections.append(
         "## Tuning calls (one forward + backward per shape)\n\n"
         + markdown([*shape, "status", "wall s", "launches"], [
-            [*(r.get(f) for f in shape), r["status"], fmt_num(r.get("tune_wall_s")), r.get("n_launches", "–")]
+            [*_cells(r, shape), r["status"], fmt_num(r.get("tune_wall_s")), r.get("n_launches", "–")]
             for r in sort_rows(calls, shape)
         ])
     )
     sections.append(
         "## Chosen configs\n\n"
         + markdown([*shape, "kernel", "tuned", "tuning key", "best config", "best ms", "configs tried", "bench s"], [
-            [*(r.get(f) for f in shape), r.get("kernel"), r.get("tuned"), " ".join(r.get("tuning_key") or []) or "–",
+            [*_cells(r, shape), r.get("kernel"), r.get("tuned"), " ".join(r.get("tuning_key") or []) or "–",
              r.get("best_config") if r["status"] == "ok" else r["status"], fmt_num(r.get("ms")),
              r.get("n_tried", "–"), fmt_num(r.get("bench_time_s"))]
             for r in sort_rows(kernels, (*shape, "kernel"))
@@ -552,7 +563,7 @@ def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
     fig, axes = new_figure(max(len(names), 1), width=7)
     for ax, name in zip(axes, names):
         sel = sort_rows([r for r in kernels if r.get("kernel") == name and r["status"] == "ok"], shape)
-        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + (" wide" if r.get("variant") else "") for r in sel]
+        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + _wide_label(r, name) for r in sel]
         for i, r in enumerate(sel):
             tried = [c["ms"] for c in r.get("configs") or [] if c.get("ms") and math.isfinite(c["ms"])]
             if tried and r.get("ms"):
