@@ -157,6 +157,17 @@ def _key_ranges(q_start, N_KEYS, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.cons
     return full_stop, stop
 
 
+@triton.jit
+def _tile_ptr(base, batch_index, head_index, stride_b, stride_h, stride_n, stride_d, N, start,
+              D: tl.constexpr, TILE: tl.constexpr, D_TILE: tl.constexpr):
+    """Block pointer to the (TILE, D_TILE) tile at row `start` of one batch·head's (N, D) matrix."""
+    return tl.make_block_ptr(
+        base + batch_index * stride_b + head_index * stride_h,
+        shape=(N, D), strides=(stride_n, stride_d),
+        offsets=(start, 0), block_shape=(TILE, D_TILE), order=(1, 0),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Kernels
 # ----------------------------------------------------------------------------------------------
@@ -220,26 +231,14 @@ def flash_fwd_kernel(
     head_index = (batch_head % N_HEADS).to(tl.int64)
     q_start = query_tile_index * Q_TILE_SIZE
 
-    Q_block_ptr = tl.make_block_ptr(
-        Q_ptr + batch_index * stride_qb + head_index * stride_qh,
-        shape=(N_QUERIES, D), strides=(stride_qq, stride_qd),
-        offsets=(q_start, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    K_block_ptr = tl.make_block_ptr(
-        K_ptr + batch_index * stride_kb + head_index * stride_kh,
-        shape=(N_KEYS, D), strides=(stride_kk, stride_kd),
-        offsets=(0, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    V_block_ptr = tl.make_block_ptr(
-        V_ptr + batch_index * stride_vb + head_index * stride_vh,
-        shape=(N_KEYS, D), strides=(stride_vk, stride_vd),
-        offsets=(0, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    O_block_ptr = tl.make_block_ptr(
-        O_ptr + batch_index * stride_ob + head_index * stride_oh,
-        shape=(N_QUERIES, D), strides=(stride_oq, stride_od),
-        offsets=(q_start, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
+    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
+                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
+    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
+                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
+    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
+                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
+    O_block_ptr = _tile_ptr(O_ptr, batch_index, head_index, stride_ob, stride_oh, stride_oq, stride_od,
+                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
     L_block_ptr = tl.make_block_ptr(
         L_ptr + batch_index * stride_lb + head_index * stride_lh,
         shape=(N_QUERIES,), strides=(stride_lq,),
@@ -278,19 +277,14 @@ def flash_bwd_delta_kernel(
     batch_head = tl.program_id(1)
     batch_index = (batch_head // N_HEADS).to(tl.int64)
     head_index = (batch_head % N_HEADS).to(tl.int64)
-    O_block_ptr = tl.make_block_ptr(
-        O_ptr + batch_index * stride_ob + head_index * stride_oh,
-        shape=(N_QUERIES, D), strides=(stride_oq, stride_od),
-        offsets=(query_tile_index * Q_TILE_SIZE, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dO_block_ptr = tl.make_block_ptr(
-        dO_ptr + batch_index * stride_dob + head_index * stride_doh,
-        shape=(N_QUERIES, D), strides=(stride_doq, stride_dod),
-        offsets=(query_tile_index * Q_TILE_SIZE, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
+    q_start = query_tile_index * Q_TILE_SIZE
+    O_block_ptr = _tile_ptr(O_ptr, batch_index, head_index, stride_ob, stride_oh, stride_oq, stride_od,
+                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
+    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
+                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
     o = tl.load(O_block_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     do = tl.load(dO_block_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    offs_q = query_tile_index * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
+    offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     tl.store(Delta_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q, tl.sum(o * do, 1), mask=offs_q < N_QUERIES)
 
 
@@ -320,36 +314,18 @@ def flash_bwd_dkdv_kernel(
     head_index = (batch_head % N_HEADS).to(tl.int64)
     k_start = key_tile_index * K_TILE_SIZE
 
-    K_block_ptr = tl.make_block_ptr(
-        K_ptr + batch_index * stride_kb + head_index * stride_kh,
-        shape=(N_KEYS, D), strides=(stride_kk, stride_kd),
-        offsets=(k_start, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    V_block_ptr = tl.make_block_ptr(
-        V_ptr + batch_index * stride_vb + head_index * stride_vh,
-        shape=(N_KEYS, D), strides=(stride_vk, stride_vd),
-        offsets=(k_start, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    Q_block_ptr = tl.make_block_ptr(
-        Q_ptr + batch_index * stride_qb + head_index * stride_qh,
-        shape=(N_QUERIES, D), strides=(stride_qq, stride_qd),
-        offsets=(0, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dO_block_ptr = tl.make_block_ptr(
-        dO_ptr + batch_index * stride_dob + head_index * stride_doh,
-        shape=(N_QUERIES, D), strides=(stride_doq, stride_dod),
-        offsets=(0, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dK_block_ptr = tl.make_block_ptr(
-        dK_ptr + batch_index * stride_dkb + head_index * stride_dkh,
-        shape=(N_KEYS, D), strides=(stride_dkk, stride_dkd),
-        offsets=(k_start, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dV_block_ptr = tl.make_block_ptr(
-        dV_ptr + batch_index * stride_dvb + head_index * stride_dvh,
-        shape=(N_KEYS, D), strides=(stride_dvk, stride_dvd),
-        offsets=(k_start, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
+    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
+                            N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
+    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
+                            N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
+    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
+                            N_QUERIES, 0, D, Q_TILE_SIZE, D_TILE)
+    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
+                             N_QUERIES, 0, D, Q_TILE_SIZE, D_TILE)
+    dK_block_ptr = _tile_ptr(dK_ptr, batch_index, head_index, stride_dkb, stride_dkh, stride_dkk, stride_dkd,
+                             N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
+    dV_block_ptr = _tile_ptr(dV_ptr, batch_index, head_index, stride_dvb, stride_dvh, stride_dvk, stride_dvd,
+                             N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
     L_ptr += batch_index * stride_lb + head_index * stride_lh
     Delta_ptr += batch_head.to(tl.int64) * N_QUERIES
 
@@ -405,31 +381,16 @@ def flash_bwd_dq_kernel(
     head_index = (batch_head % N_HEADS).to(tl.int64)
     q_start = query_tile_index * Q_TILE_SIZE
 
-    Q_block_ptr = tl.make_block_ptr(
-        Q_ptr + batch_index * stride_qb + head_index * stride_qh,
-        shape=(N_QUERIES, D), strides=(stride_qq, stride_qd),
-        offsets=(q_start, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dO_block_ptr = tl.make_block_ptr(
-        dO_ptr + batch_index * stride_dob + head_index * stride_doh,
-        shape=(N_QUERIES, D), strides=(stride_doq, stride_dod),
-        offsets=(q_start, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    K_block_ptr = tl.make_block_ptr(
-        K_ptr + batch_index * stride_kb + head_index * stride_kh,
-        shape=(N_KEYS, D), strides=(stride_kk, stride_kd),
-        offsets=(0, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    V_block_ptr = tl.make_block_ptr(
-        V_ptr + batch_index * stride_vb + head_index * stride_vh,
-        shape=(N_KEYS, D), strides=(stride_vk, stride_vd),
-        offsets=(0, 0), block_shape=(K_TILE_SIZE, D_TILE), order=(1, 0),
-    )
-    dQ_block_ptr = tl.make_block_ptr(
-        dQ_ptr + batch_index * stride_dqb + head_index * stride_dqh,
-        shape=(N_QUERIES, D), strides=(stride_dqq, stride_dqd),
-        offsets=(q_start, 0), block_shape=(Q_TILE_SIZE, D_TILE), order=(1, 0),
-    )
+    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
+                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
+    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
+                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
+    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
+                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
+    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
+                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
+    dQ_block_ptr = _tile_ptr(dQ_ptr, batch_index, head_index, stride_dqb, stride_dqh, stride_dqq, stride_dqd,
+                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     in_range = offs_q < N_QUERIES
