@@ -12,8 +12,8 @@ from Triton's on-disk autotuning cache (TRITON_CACHE_AUTOTUNING=1) get from_disk
 
 `--wide KERNEL ...` tunes the named kernels over a wide grid instead of their shipped configs
 (`WIDE_TILES` x warps `WIDE_WARPS` x pipeline stages `WIDE_STAGES`), to look for configs worth
-shipping; the shape's rows carry variant "wide: <kernels>". Configs that cannot launch (too much shared memory) are
-timed by the autotuner as inf and kept in the record.
+shipping; the shape's rows carry variant "wide: <kernels>". Configs that cannot launch (too much
+shared memory) are timed by the autotuner as inf and kept in the record.
 """
 
 from __future__ import annotations
@@ -65,14 +65,12 @@ def wide_configs(name: str) -> list:
     """
     import triton
 
-    from cs336_systems.flash_triton import INTERPRET
+    from cs336_systems.flash_triton import INTERPRET, _configs
 
     if INTERPRET:
         return [triton.Config({"Q_TILE_SIZE": 16, "K_TILE_SIZE": 16}, num_warps=1, num_stages=2)]
-    return [
-        triton.Config({"Q_TILE_SIZE": q, "K_TILE_SIZE": k}, num_warps=w, num_stages=s)
-        for q, k in WIDE_TILES[name] for w in WIDE_WARPS for s in WIDE_STAGES
-    ]
+    grid = [(q, k, w, s) for q, k in WIDE_TILES[name] for w in WIDE_WARPS for s in WIDE_STAGES]
+    return _configs(grid, a="Q_TILE_SIZE", b="K_TILE_SIZE")
 
 
 @contextmanager
