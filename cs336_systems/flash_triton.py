@@ -173,7 +173,7 @@ def _tile_ptr(base, batch_index, head_index, stride_b, stride_h, stride_n, strid
 # ----------------------------------------------------------------------------------------------
 
 
-def _configs(shapes, *, a: str, b: str):
+def make_configs(shapes, *, a: str = "Q_TILE_SIZE", b: str = "K_TILE_SIZE") -> list[triton.Config]:
     """Autotune configs from (tile_a, tile_b, warps, stages); one pinned config in the interpreter."""
     if INTERPRET:
         shapes = [(16, 16, 1, 1)]
@@ -192,15 +192,15 @@ def _prune(tile_names: tuple[str, str], len_names: tuple[str, str]):
     return prune
 
 
-FWD_CONFIGS = _configs(
+FWD_CONFIGS = make_configs(
     [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
-DKDV_CONFIGS = _configs(
+DKDV_CONFIGS = make_configs(
     [(128, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
-DQ_CONFIGS = _configs(
+DQ_CONFIGS = make_configs(
     [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     a="Q_TILE_SIZE", b="K_TILE_SIZE",
 )
@@ -420,11 +420,69 @@ def _autotuned(fn, configs, lengths):
 flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS, ("N_QUERIES", "N_KEYS"))
 flash_bwd_dkdv_autotuned = _autotuned(flash_bwd_dkdv_kernel, DKDV_CONFIGS, ("N_QUERIES", "N_KEYS"))
 flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS, ("N_QUERIES", "N_KEYS"))
-AUTOTUNED_KERNELS = {
-    "flash_fwd": flash_fwd_autotuned,
-    "flash_bwd_dkdv": flash_bwd_dkdv_autotuned,
-    "flash_bwd_dq": flash_bwd_dq_autotuned,
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One autotuned kernel, as the benchmarks (autotune, resources) see it.
+
+    `example_launch(dtype, heads, seq, d, causal)` gives the positional arguments (MockTensors for
+    tensors, ints/floats otherwise) and constexpr keywords of a launch on contiguous
+    (1, heads, seq, d) inputs, without the tile constexprs a config sets.
+    """
+
+    name: str
+    jit: triton.JITFunction
+    autotuned: triton.runtime.Autotuner
+    wide_tiles: tuple[tuple[int, int], ...]  # (Q_TILE_SIZE, K_TILE_SIZE) pairs for a wide config search
+
+    @property
+    def configs(self) -> list[triton.Config]:
+        return self.autotuned.configs
+
+    def example_launch(self, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
+        from triton.runtime.jit import MockTensor
+
+        args = []
+        for param in self.jit.params:
+            name = param.name
+            if param.is_constexpr:
+                break
+            if name.endswith("_ptr"):
+                args.append(MockTensor(torch.float32 if name in ("L_ptr", "Delta_ptr") else dtype))
+            elif name.startswith("stride_"):
+                args.append(_contiguous_stride(name, heads, seq, d))
+            elif name == "N_HEADS":
+                args.append(heads)
+            elif name in ("N_QUERIES", "N_KEYS"):
+                args.append(seq)
+            elif name == "scale":
+                args.append(d ** -0.5)
+            else:
+                raise ValueError(f"no example value for argument {name!r} of {self.name}")
+        return args, dict(D=d, D_TILE=padded_dim(d), is_causal=causal)
+
+
+def _contiguous_stride(name: str, heads: int, seq: int, d: int) -> int:
+    """The stride a contiguous (1, heads, seq, d) launch passes for an argument named stride_<tensor><axis>."""
+    tensor_axis = name.removeprefix("stride_")
+    axis = tensor_axis[-1]
+    if tensor_axis.startswith("l"):  # L: (batch, heads, seq)
+        return {"b": heads * seq, "h": seq}.get(axis, 1)
+    return {"b": heads * seq * d, "h": seq * d, "d": 1}.get(axis, d)
+
+
+_WIDE_Q_K = ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128))
+KERNELS: dict[str, KernelSpec] = {
+    "flash_fwd": KernelSpec("flash_fwd", flash_fwd_kernel, flash_fwd_autotuned, _WIDE_Q_K),
+    "flash_bwd_dkdv": KernelSpec(
+        "flash_bwd_dkdv", flash_bwd_dkdv_kernel, flash_bwd_dkdv_autotuned,
+        ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128))),
+    "flash_bwd_dq": KernelSpec(
+        "flash_bwd_dq", flash_bwd_dq_kernel, flash_bwd_dq_autotuned,
+        ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))),
 }
+AUTOTUNED_KERNELS = {name: spec.autotuned for name, spec in KERNELS.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,27 +644,17 @@ class FlashAttention2Triton(torch.autograd.Function):
         return _backward(ctx, dO)
 
 
-def _variant(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
+def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
+    """An autograd.Function like FlashAttention2Triton that runs the kernels with `opts`."""
+
     def forward(ctx, Q, K, V, is_causal=False):
         return _forward(ctx, Q, K, V, is_causal, opts)
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward),
         "backward": staticmethod(_backward),
-        "__doc__": f"Ablation variant of FlashAttention2Triton: {opts}",
+        "__doc__": f"FlashAttention-2 (Triton) with {opts}",
     })
-
-
-# The leaderboard ablation, each step adding one thing to the one before; the last is the shipped kernel.
-ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
-    "fwd_triton_bwd_compiled": _variant(
-        "FlashFwdTritonBwdCompiled", KernelOptions(triton_backward=False, skip_masked_tiles=False, autotune=False)),
-    "bwd_triton": _variant(
-        "FlashBwdTriton", KernelOptions(triton_backward=True, skip_masked_tiles=False, autotune=False)),
-    "causal_skip": _variant(
-        "FlashCausalSkip", KernelOptions(triton_backward=True, skip_masked_tiles=True, autotune=False)),
-    "autotune": FlashAttention2Triton,
-}
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
@@ -615,6 +663,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 
 
 __all__ = [
-    "ABLATION_VARIANTS", "AUTOTUNED_KERNELS", "FlashAttention2Triton", "KernelOptions",
-    "flash_attention", "flash_backward_triton", "flash_forward_triton",
+    "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "KernelOptions", "KernelSpec",
+    "autograd_function", "flash_attention", "flash_backward_triton", "flash_forward_triton", "make_configs",
 ]

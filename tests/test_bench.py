@@ -129,7 +129,7 @@ def test_bench_smoke_flash(tmp_path):
 
 
 def test_bench_smoke_leaderboard(tmp_path, capsys):
-    from cs336_systems.flash_triton import ABLATION_VARIANTS
+    from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
     final = list(ABLATION_VARIANTS)[-1]
     assert run_cli("leaderboard", "--smoke", "--variant", final, "--variant", "naive", "--out", str(tmp_path)) == 0

@@ -65,12 +65,12 @@ def wide_configs(name: str) -> list:
     """
     import triton
 
-    from cs336_systems.flash_triton import INTERPRET, _configs
+    from cs336_systems.flash_triton import INTERPRET, KERNELS, make_configs
 
     if INTERPRET:
         return [triton.Config({"Q_TILE_SIZE": 16, "K_TILE_SIZE": 16}, num_warps=1, num_stages=2)]
-    grid = [(q, k, w, s) for q, k in WIDE_TILES[name] for w in WIDE_WARPS for s in WIDE_STAGES]
-    return _configs(grid, a="Q_TILE_SIZE", b="K_TILE_SIZE")
+    grid = [(q, k, w, s) for q, k in KERNELS[name].wide_tiles for w in WIDE_WARPS for s in WIDE_STAGES]
+    return make_configs(grid)
 
 
 @contextmanager

@@ -9,7 +9,7 @@ The harness prints do_bench's mean, recorded as `ms_mean`; `ms` is the median of
 Mode fwd_bwd is the harness; mode fwd times `flash(q, k, v, True)` alone. The same harness (not
 compiled) runs SDPA's flash and cuDNN backends on the (1, 16, 16384, 64) view of the same tensors,
 and the ratios ours/theirs are printed at the end.
-Variants: the keys of `cs336_systems.flash_triton.ABLATION_VARIANTS` (rows: impl=flash_triton), plus
+Variants: the keys of `cs336_systems.flash_ablation.ABLATION_VARIANTS` (rows: impl=flash_triton), plus
 "naive" (materialized reference) and "flash_pytorch" (tiled PyTorch forward; run uncompiled, since
 dynamo would unroll its Python tile loops), or "all". CPU smoke runs call our Triton variants uncompiled
 too (dynamo cannot trace Triton-interpreter kernels); every row records `compiled`.
@@ -81,7 +81,7 @@ def harness_bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> 
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
-    import cs336_systems.flash_triton as flash_triton
+    from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
     device = rec.device
     smoke_cpu = device.type != "cuda"
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     backend = default_compile_backend(args, device)
     dtype = dtype_from_name(dtype_name)
 
-    variants = resolve_variants(args.variant, list(flash_triton.ABLATION_VARIANTS))
-    entries = [(v, "flash_triton" if v in flash_triton.ABLATION_VARIANTS else v) for v in variants]
+    variants = resolve_variants(args.variant, list(ABLATION_VARIANTS))
+    entries = [(v, "flash_triton" if v in ABLATION_VARIANTS else v) for v in variants]
     if not args.no_sdpa:
         entries += [(ref, ref) for ref in SDPA_REFERENCES]
 
@@ -163,7 +163,7 @@ def attention_fn(variant: str, impl: str, compiled: bool, seq: int, dtype_name: 
 
         apply = FlashAttention2Pytorch.apply
     else:
-        from cs336_systems.flash_triton import ABLATION_VARIANTS
+        from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
         apply = ABLATION_VARIANTS[variant].apply
     if not compiled:

@@ -137,9 +137,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             "(cs336_systems.flash_triton was imported in interpreter mode)"
         )
     kernels = {
-        "fwd": (ft.flash_fwd_kernel, ft.FWD_CONFIGS),
-        "dkdv": (ft.flash_bwd_dkdv_kernel, ft.DKDV_CONFIGS),
-        "dq": (ft.flash_bwd_dq_kernel, ft.DQ_CONFIGS),
+        "fwd": (ft.flash_fwd_kernel, ft.KERNELS["flash_fwd"].configs),
+        "dkdv": (ft.flash_bwd_dkdv_kernel, ft.KERNELS["flash_bwd_dkdv"].configs),
+        "dq": (ft.flash_bwd_dq_kernel, ft.KERNELS["flash_bwd_dq"].configs),
     }
     rec.meta["gpu"] = "none"
     for dtype_name in args.dtype:
