@@ -1,24 +1,33 @@
-"""FlashAttention-2 in Triton: forward, backward (delta, dK/dV pass, dQ pass), autograd, functional API.
+"""FlashAttention-2 in Triton: forward, backward (atomic-dQ single pass or deterministic two-pass), ops.
 
 Layout, top-down:
-  1. `_fwd_tiles`, `_bwd_dkdv_tiles`, `_bwd_dq_tiles`: the inner loops, each taking a constexpr
-     MASKED flag. The kernels call them first over the tiles that need no mask, then over the
-     tiles on the causal diagonal (and the ragged last key tile), with MASKED=True.
-  2. The kernels: `flash_fwd_kernel` (the handout's signature plus a head axis: grid (Tq, batch·heads)),
-     `flash_bwd_delta_kernel`, `flash_bwd_dkdv_kernel`, `flash_bwd_dq_kernel`. No atomics: the backward
-     recomputes P once per pass, so it is deterministic.
-  3. Host launchers: input checks, flattening of leading dims to (batch, heads), allocation, grid.
-  4. `FlashAttention2Triton` (autograd.Function), the ablation variants, and `flash_attention`.
+  1. jit helpers: tile loads through TMA tensor descriptors or block pointers, and the inner loops
+     `_fwd_tiles`, `_bwd_kv_tiles`, `_bwd_dq_tiles`, each with a constexpr MASKED flag. The kernels
+     call them first over the tiles that need no mask, then over the tiles on the causal diagonal
+     (and a ragged last tile) with MASKED=True.
+  2. Kernels, one program per (batch·head, tile):
+       `flash_fwd_kernel`         O and the logsumexp L;
+       `flash_bwd_prep_kernel`    delta = rowsum(dO·O) (and zeroes the fp32 dQ accumulator);
+       `flash_bwd_kv_kernel`      per key tile: dK, dV over every query tile (and every query head of a
+                                  GQA group) that sees it; with DQ_ATOMIC also dQ, added in fp32 with
+                                  atomics (five matmuls per tile pair instead of seven);
+       `flash_bwd_dq_kernel`      the deterministic design's second pass: dQ per query tile;
+       `flash_bwd_dq_cast_kernel` the atomic design's fp32 dQ -> dQ·scale in the input dtype.
+     Causal grids run the longest tiles first (the last wave is short tiles, not long ones).
+  3. Host launchers: checks, (..., S, D) -> (B, H, S, D) views, allocation, config choice, grid.
+  4. `KernelOptions`, `FlashAttention2Triton` (autograd.Function) and `flash_attention`.
 
-Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2) and converted back for the saved
-logsumexp L, which is in natural log as the handout defines it. Causally hidden scores are -1e6.
-Head dims that are not a power of two are padded inside the kernel (zero-filled loads of a
-power-of-two block), never copied.
+Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2; the scale folds into one FMA with the
+running max) and converted back for the saved logsumexp L, which is in natural log as the handout
+defines it. Causally hidden scores are excluded exactly (-inf before the softmax, 0 after), not
+replaced by a large negative number. Head dims that are not a power of two are padded inside the
+kernel (zero-filled loads of a power-of-two block), never copied. Grouped-query attention indexes
+the K/V head in the kernel (no repeated copies); the dK/dV program sums its group's query heads.
+fp32 inputs follow `torch.get_float32_matmul_precision()`: "highest" -> IEEE fp32 dots, else TF32.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,19 +35,12 @@ import triton
 import triton.language as tl
 
 from cs336_systems.flash_pytorch import flash_backward_compiled
-from cs336_systems.validation import check_attention_inputs
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = triton.knobs.runtime.interpret  # TRITON_INTERPRET as Triton itself reads it (1/true/on/yes)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MAX_HEAD_DIM = 128  # the largest head dim tested on the GPU
 MAX_GRID_Y = 65535
-
-
-def padded_dim(n: int) -> int:
-    """A length as the kernels tile it: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(n))
-
 
 if INTERPRET:
     from cs336_systems import triton_interpreter_fixes
@@ -46,96 +48,158 @@ if INTERPRET:
     triton_interpreter_fixes.apply()
 
 
+def padded_dim(n: int) -> int:
+    """A length as the kernels tile it: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 # ----------------------------------------------------------------------------------------------
-# 1. Inner loops
+# 1. jit helpers and inner loops
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
+def _tile_src(base, stride_n, stride_d, N, D: tl.constexpr, TILE: tl.constexpr, D_TILE: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """A source of (TILE, D_TILE) tiles of one (N, D) matrix: a TMA descriptor or a block pointer at row 0."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[N, D], strides=[stride_n, 1], block_shape=[TILE, D_TILE])
+    else:
+        return tl.make_block_ptr(base, shape=(N, D), strides=(stride_n, stride_d), offsets=(0, 0),
+                                 block_shape=(TILE, D_TILE), order=(1, 0))
+
+
+@triton.jit
+def _load_tile(src, row, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The tile at `row`, zero-filled outside the matrix (TMA fills by itself; block pointers check)."""
+    if USE_TMA:
+        return src.load([row, 0])
+    else:
+        ptr = tl.advance(src, (row, 0))
+        if CHECK_ROWS and CHECK_COLS:
+            return tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
+        elif CHECK_ROWS:
+            return tl.load(ptr, boundary_check=(0,), padding_option="zero")
+        elif CHECK_COLS:
+            return tl.load(ptr, boundary_check=(1,), padding_option="zero")
+        else:
+            return tl.load(ptr)
+
+
+@triton.jit
+def _store_tile(dst, row, value, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Store a tile at `row`; what falls outside the matrix is dropped."""
+    if USE_TMA:
+        dst.store([row, 0], value.to(dst.dtype))
+    else:
+        value = value.to(dst.type.element_ty)
+        ptr = tl.advance(dst, (row, 0))
+        if CHECK_ROWS and CHECK_COLS:
+            tl.store(ptr, value, boundary_check=(0, 1))
+        elif CHECK_ROWS:
+            tl.store(ptr, value, boundary_check=(0,))
+        elif CHECK_COLS:
+            tl.store(ptr, value, boundary_check=(1,))
+        else:
+            tl.store(ptr, value)
+
+
+@triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, K_block_ptr, V_block_ptr, offs_q, start, stop, N_KEYS, qk_scale,
+    acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
+    CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Online softmax over key tiles [start, stop). Scores are in log2 units."""
-    K_block_ptr = tl.advance(K_block_ptr, (start, 0))
-    V_block_ptr = tl.advance(V_block_ptr, (start, 0))
+    """Online softmax over key tiles [start, stop); m_i is the running max of the base-2 scores."""
     for k_start in range(start, stop, K_TILE_SIZE):
-        k = tl.load(K_block_ptr, boundary_check=(0, 1), padding_option="zero")
-        v = tl.load(V_block_ptr, boundary_check=(0, 1), padding_option="zero")
-        s = tl.dot(q, tl.trans(k)) * qk_scale                          # (Bq, Bk) fp32
+        k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+        v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)              # (Bq, Bk), unscaled
         if MASKED:
             offs_k = k_start + tl.arange(0, K_TILE_SIZE)
             keep = offs_k[None, :] < N_KEYS
             if is_causal:
                 keep = keep & (offs_q[:, None] >= offs_k[None, :])
-            s = tl.where(keep, s, -1.0e6 * LOG2E)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)         # a row with nothing visible yet
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])                 # one FMA per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-        K_block_ptr = tl.advance(K_block_ptr, (K_TILE_SIZE, 0))
-        V_block_ptr = tl.advance(V_block_ptr, (K_TILE_SIZE, 0))
     return acc, m_i, l_i
 
 
 @triton.jit
-def _bwd_dkdv_tiles(
-    dk, dv, k, v, Q_block_ptr, dO_block_ptr, L_ptr, Delta_ptr, stride_lq, offs_k,
-    start, stop, N_QUERIES, qk_scale,
-    Q_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+def _bwd_kv_tiles(
+    dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
+    Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key tile over query tiles [start, stop), in transposed form.
+    """dK, dV of one key tile over query tiles [start, stop), in transposed form (keys on rows).
 
-    Query rows past N_QUERIES load as zeros (q, dO, L, delta), so they add nothing: no mask needed.
+    Query rows past N_QUERIES load as zeros (q, dO, L, delta), so they add nothing to dK, dV.
+    With DQ_ATOMIC, dQ += dS·K of each tile pair is added to the fp32 accumulator `dq_dst`
+    (a TMA descriptor, or a pointer to the (N_QUERIES, D) rows with row stride D).
     """
-    Q_block_ptr = tl.advance(Q_block_ptr, (start, 0))
-    dO_block_ptr = tl.advance(dO_block_ptr, (start, 0))
     for q_start in range(start, stop, Q_TILE_SIZE):
-        q = tl.load(Q_block_ptr, boundary_check=(0, 1), padding_option="zero")
-        do = tl.load(dO_block_ptr, boundary_check=(0, 1), padding_option="zero")
+        q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+        do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
         offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-        in_range = offs_q < N_QUERIES
-        lse = tl.load(L_ptr + offs_q * stride_lq, mask=in_range, other=0.0) * LOG2E
-        delta = tl.load(Delta_ptr + offs_q, mask=in_range, other=0.0)
-        sT = tl.dot(k, tl.trans(q)) * qk_scale                         # (Bk, Bq)
-        pT = tl.math.exp2(sT - lse[None, :])
+        if CHECK_Q:
+            in_range = offs_q < N_QUERIES
+            lse = tl.load(L_ptr + offs_q, mask=in_range, other=0.0) * LOG2E
+            delta = tl.load(Delta_ptr + offs_q, mask=in_range, other=0.0)
+        else:
+            lse = tl.load(L_ptr + offs_q) * LOG2E
+            delta = tl.load(Delta_ptr + offs_q)
+        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # (Bk, Bq), unscaled
+        pT = tl.math.exp2(sT * qk_scale - lse[None, :])                    # lse in base 2
         if MASKED:
             pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))                                   # (Bk, Bq)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
-        Q_block_ptr = tl.advance(Q_block_ptr, (Q_TILE_SIZE, 0))
-        dO_block_ptr = tl.advance(dO_block_ptr, (Q_TILE_SIZE, 0))
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)          # (Bk, Bq)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)      # (Bq, D), unscaled
+            if USE_TMA:
+                dq_dst.atomic_add([q_start, 0], dq)
+            else:
+                offs_d = tl.arange(0, D_TILE)
+                ptrs = dq_dst + offs_q[:, None] * D_TILE + offs_d[None, :]
+                if CHECK_Q:
+                    tl.atomic_add(ptrs, dq, mask=(offs_q < N_QUERIES)[:, None], sem="relaxed")
+                else:
+                    tl.atomic_add(ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dq_tiles(
-    dq, q, do, lse, delta, K_block_ptr, V_block_ptr, offs_q, start, stop, N_KEYS, qk_scale,
+    dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
+    CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ of one query tile over key tiles [start, stop)."""
-    K_block_ptr = tl.advance(K_block_ptr, (start, 0))
-    V_block_ptr = tl.advance(V_block_ptr, (start, 0))
+    """dQ of one query tile over key tiles [start, stop) (the deterministic design's second pass)."""
     for k_start in range(start, stop, K_TILE_SIZE):
-        k = tl.load(K_block_ptr, boundary_check=(0, 1), padding_option="zero")
-        v = tl.load(V_block_ptr, boundary_check=(0, 1), padding_option="zero")
-        s = tl.dot(q, tl.trans(k)) * qk_scale                          # (Bq, Bk)
-        p = tl.math.exp2(s - lse[:, None])
+        k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+        v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)             # (Bq, Bk), unscaled
+        p = tl.math.exp2(s * qk_scale - lse[:, None])
         if MASKED:
             offs_k = k_start + tl.arange(0, K_TILE_SIZE)
             keep = offs_k[None, :] < N_KEYS
             if is_causal:
                 keep = keep & (offs_q[:, None] >= offs_k[None, :])
             p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))                                    # (Bq, Bk)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-        K_block_ptr = tl.advance(K_block_ptr, (K_TILE_SIZE, 0))
-        V_block_ptr = tl.advance(V_block_ptr, (K_TILE_SIZE, 0))
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)           # (Bq, Bk)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
     return dq
 
 
@@ -158,14 +222,29 @@ def _key_ranges(q_start, N_KEYS, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.cons
 
 
 @triton.jit
-def _tile_ptr(base, batch_index, head_index, stride_b, stride_h, stride_n, stride_d, N, start,
-              D: tl.constexpr, TILE: tl.constexpr, D_TILE: tl.constexpr):
-    """Block pointer to the (TILE, D_TILE) tile at row `start` of one batch·head's (N, D) matrix."""
-    return tl.make_block_ptr(
-        base + batch_index * stride_b + head_index * stride_h,
-        shape=(N, D), strides=(stride_n, stride_d),
-        offsets=(start, 0), block_shape=(TILE, D_TILE), order=(1, 0),
-    )
+def _query_ranges(k_start, N_QUERIES, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+                  is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr):
+    """Query ranges for one key tile: [start, full_start) crosses the diagonal, [full_start, N) does not."""
+    if is_causal:
+        if SKIP_MASKED_TILES:
+            start = tl.minimum((k_start // Q_TILE_SIZE) * Q_TILE_SIZE, N_QUERIES)
+            full_start = tl.minimum(tl.cdiv(k_start + K_TILE_SIZE, Q_TILE_SIZE) * Q_TILE_SIZE, N_QUERIES)
+        else:
+            start = 0
+            full_start = N_QUERIES
+    else:
+        start = 0
+        full_start = 0
+    return start, full_start
+
+
+@triton.jit
+def _tile_index(program, n_tiles, LONGEST_FIRST: tl.constexpr):
+    """Causal query tiles grow with their index: hand out the longest first (the reverse order)."""
+    if LONGEST_FIRST:
+        return n_tiles - 1 - program
+    else:
+        return program
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,180 +259,178 @@ def make_configs(shapes, *, a: str = "Q_TILE_SIZE", b: str = "K_TILE_SIZE") -> l
     return [triton.Config({a: ta, b: tb}, num_warps=w, num_stages=s) for ta, tb, w, s in shapes]
 
 
-def _prune(tile_names: tuple[str, str], len_names: tuple[str, str]):
+def _prune(configs, named_args, **kwargs):
     """Drop configs whose tiles exceed the padded problem (keeps short sequences cheap to tune)."""
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        lengths = [padded_dim(args[n]) for n in len_names]
-        kept = [c for c in configs if all(c.kwargs[t] <= n for t, n in zip(tile_names, lengths))]
-        return kept or [min(configs, key=lambda c: c.kwargs[tile_names[0]] * c.kwargs[tile_names[1]])]
-
-    return prune
+    args = {**named_args, **kwargs}
+    n_q, n_k = padded_dim(args["N_QUERIES"]), padded_dim(args["N_KEYS"])
+    kept = [c for c in configs if c.kwargs["Q_TILE_SIZE"] <= n_q and c.kwargs["K_TILE_SIZE"] <= n_k]
+    return kept or [min(configs, key=lambda c: c.kwargs["Q_TILE_SIZE"] * c.kwargs["K_TILE_SIZE"])]
 
 
-FWD_CONFIGS = make_configs(
-    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-    a="Q_TILE_SIZE", b="K_TILE_SIZE",
-)
-DKDV_CONFIGS = make_configs(
-    [(128, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    a="Q_TILE_SIZE", b="K_TILE_SIZE",
-)
-DQ_CONFIGS = make_configs(
-    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-    a="Q_TILE_SIZE", b="K_TILE_SIZE",
-)
-_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "is_causal"]
+def _even(args):
+    return {
+        "CHECK_Q": args["N_QUERIES"] % args["Q_TILE_SIZE"] != 0,
+        "CHECK_K": args["N_KEYS"] % args["K_TILE_SIZE"] != 0,
+        "CHECK_D": args["D"] != args["D_TILE"],
+    }
+
+
+_EVEN_HEURISTICS = {
+    "CHECK_Q": lambda a: _even(a)["CHECK_Q"],
+    "CHECK_K": lambda a: _even(a)["CHECK_K"],
+    "CHECK_D": lambda a: _even(a)["CHECK_D"],
+}
 
 
 @triton.jit
 def flash_fwd_kernel(
-    Q_ptr, K_ptr, V_ptr,
-    O_ptr, L_ptr,
+    Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kb, stride_kh, stride_kk, stride_kd,
     stride_vb, stride_vh, stride_vk, stride_vd,
     stride_ob, stride_oh, stride_oq, stride_od,
-    stride_lb, stride_lh, stride_lq,
-    N_HEADS, N_QUERIES, N_KEYS,
-    scale,
-    D: tl.constexpr,
-    D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr,
-    K_TILE_SIZE: tl.constexpr,
-    is_causal: tl.constexpr,
-    SKIP_MASKED_TILES: tl.constexpr = True,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr,
+    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    query_tile_index = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch_index = (batch_head // N_HEADS).to(tl.int64)
-    head_index = (batch_head % N_HEADS).to(tl.int64)
-    q_start = query_tile_index * Q_TILE_SIZE
+    """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
+    batch_head = tl.program_id(0)
+    q_tile = _tile_index(tl.program_id(1), tl.num_programs(1), is_causal and SKIP_MASKED_TILES)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    kv_head = head // KV_GROUP
+    q_start = q_tile * Q_TILE_SIZE
 
-    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
-                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
-                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
-    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
-                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
-    O_block_ptr = _tile_ptr(O_ptr, batch_index, head_index, stride_ob, stride_oh, stride_oq, stride_od,
-                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    L_block_ptr = tl.make_block_ptr(
-        L_ptr + batch_index * stride_lb + head_index * stride_lh,
-        shape=(N_QUERIES,), strides=(stride_lq,),
-        offsets=(q_start,), block_shape=(Q_TILE_SIZE,), order=(0,),
-    )
+    q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
+                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    o_dst = _tile_src(O_ptr + batch * stride_ob + head * stride_oh, stride_oq, stride_od, N_QUERIES,
+                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    q = tl.load(Q_block_ptr, boundary_check=(0, 1), padding_option="zero")
+    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
     m_i = tl.full((Q_TILE_SIZE,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_TILE_SIZE,), dtype=tl.float32)
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_block_ptr, V_block_ptr, offs_q, 0, full_stop,
-                               N_KEYS, qk_scale, K_TILE_SIZE, False, is_causal)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_block_ptr, V_block_ptr, offs_q, full_stop, stop,
-                               N_KEYS, qk_scale, K_TILE_SIZE, True, is_causal)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+                               K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
+                               K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    tl.store(O_block_ptr, acc.to(O_block_ptr.type.element_ty), boundary_check=(0, 1))
-    tl.store(L_block_ptr, lse, boundary_check=(0,))
+    _store_tile(o_dst, q_start, acc, CHECK_Q, CHECK_D, USE_TMA)
+    l_ptrs = L_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q
+    if CHECK_Q:
+        tl.store(l_ptrs, lse, mask=offs_q < N_QUERIES)
+    else:
+        tl.store(l_ptrs, lse)
 
 
 @triton.jit
-def flash_bwd_delta_kernel(
-    O_ptr, dO_ptr, Delta_ptr,
+def flash_bwd_prep_kernel(
+    O_ptr, dO_ptr, Delta_ptr, dQacc_ptr,
     stride_ob, stride_oh, stride_oq, stride_od,
     stride_dob, stride_doh, stride_doq, stride_dod,
     N_HEADS, N_QUERIES,
-    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32, stored contiguous (batch·heads, N_QUERIES)."""
-    query_tile_index = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch_index = (batch_head // N_HEADS).to(tl.int64)
-    head_index = (batch_head % N_HEADS).to(tl.int64)
-    q_start = query_tile_index * Q_TILE_SIZE
-    O_block_ptr = _tile_ptr(O_ptr, batch_index, head_index, stride_ob, stride_oh, stride_oq, stride_od,
-                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
-                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    o = tl.load(O_block_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    do = tl.load(dO_block_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    """delta = rowsum(dO·O) in fp32, contiguous (batch·heads, N_QUERIES); zero the dQ accumulator."""
+    batch_head = tl.program_id(0)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    q_start = tl.program_id(1) * Q_TILE_SIZE
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    tl.store(Delta_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q, tl.sum(o * do, 1), mask=offs_q < N_QUERIES)
+    offs_d = tl.arange(0, D_TILE)
+    rows = (offs_q < N_QUERIES)[:, None]
+    mask = rows & (offs_d < D)[None, :]
+    o = tl.load(O_ptr + batch * stride_ob + head * stride_oh + offs_q[:, None] * stride_oq
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(dO_ptr + batch * stride_dob + head * stride_doh + offs_q[:, None] * stride_doq
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q, delta, mask=offs_q < N_QUERIES)
+    if ZERO_DQ:
+        acc_ptrs = (dQacc_ptr + batch_head.to(tl.int64) * N_QUERIES * D_TILE
+                    + offs_q[:, None] * D_TILE + offs_d[None, :])
+        tl.store(acc_ptrs, tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32), mask=rows)
 
 
 @triton.jit
-def flash_bwd_dkdv_kernel(
-    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr,
+def flash_bwd_kv_kernel(
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kb, stride_kh, stride_kk, stride_kd,
     stride_vb, stride_vh, stride_vk, stride_vd,
     stride_dob, stride_doh, stride_doq, stride_dod,
-    stride_lb, stride_lh, stride_lq,
     stride_dkb, stride_dkh, stride_dkk, stride_dkd,
     stride_dvb, stride_dvh, stride_dvk, stride_dvd,
-    N_HEADS, N_QUERIES, N_KEYS,
-    scale,
-    D: tl.constexpr,
-    D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr,
-    K_TILE_SIZE: tl.constexpr,
-    is_causal: tl.constexpr,
-    SKIP_MASKED_TILES: tl.constexpr = True,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr,
+    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    """One program per (key tile, batch·head): dK, dV from all query tiles that see it."""
-    key_tile_index = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch_index = (batch_head // N_HEADS).to(tl.int64)
-    head_index = (batch_head % N_HEADS).to(tl.int64)
-    k_start = key_tile_index * K_TILE_SIZE
+    """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
 
-    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
-                            N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
-    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
-                            N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
-    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
-                            N_QUERIES, 0, D, Q_TILE_SIZE, D_TILE)
-    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
-                             N_QUERIES, 0, D, Q_TILE_SIZE, D_TILE)
-    dK_block_ptr = _tile_ptr(dK_ptr, batch_index, head_index, stride_dkb, stride_dkh, stride_dkk, stride_dkd,
-                             N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
-    dV_block_ptr = _tile_ptr(dV_ptr, batch_index, head_index, stride_dvb, stride_dvh, stride_dvk, stride_dvd,
-                             N_KEYS, k_start, D, K_TILE_SIZE, D_TILE)
-    L_ptr += batch_index * stride_lb + head_index * stride_lh
-    Delta_ptr += batch_head.to(tl.int64) * N_QUERIES
+    L (natural log) and delta are contiguous (batch·heads, N_QUERIES). dQacc is fp32
+    (batch·heads, N_QUERIES, D_TILE), used only with DQ_ATOMIC.
+    """
+    batch_kv_head = tl.program_id(0)
+    n_kv_heads = N_HEADS // KV_GROUP
+    batch = (batch_kv_head // n_kv_heads).to(tl.int64)
+    kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
+    k_start = tl.program_id(1) * K_TILE_SIZE
 
-    k = tl.load(K_block_ptr, boundary_check=(0, 1), padding_option="zero")
-    v = tl.load(V_block_ptr, boundary_check=(0, 1), padding_option="zero")
+    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+    v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
     dk = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     dv = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
+    start, full_start = _query_ranges(k_start, N_QUERIES, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
 
-    # Query ranges for this key tile: [start, full_start) crosses the diagonal, [full_start, N) does not.
-    if is_causal:
-        if SKIP_MASKED_TILES:
-            start = tl.minimum((k_start // Q_TILE_SIZE) * Q_TILE_SIZE, N_QUERIES)
-            full_start = tl.minimum(tl.cdiv(k_start + K_TILE_SIZE, Q_TILE_SIZE) * Q_TILE_SIZE, N_QUERIES)
+    for g in range(0, KV_GROUP):
+        head = kv_head * KV_GROUP + g
+        batch_head = batch * N_HEADS + head
+        q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
+                          D, Q_TILE_SIZE, D_TILE, USE_TMA)
+        do_src = _tile_src(dO_ptr + batch * stride_dob + head * stride_doh, stride_doq, stride_dod, N_QUERIES,
+                           D, Q_TILE_SIZE, D_TILE, USE_TMA)
+        dq_base = dQacc_ptr + batch_head * N_QUERIES * D_TILE
+        if DQ_ATOMIC and USE_TMA:
+            dq_dst = tl.make_tensor_descriptor(dq_base, shape=[N_QUERIES, D_TILE], strides=[D_TILE, 1],
+                                               block_shape=[Q_TILE_SIZE, D_TILE])
         else:
-            start = 0
-            full_start = N_QUERIES
-    else:
-        start = 0
-        full_start = 0
-    dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, Q_block_ptr, dO_block_ptr, L_ptr, Delta_ptr, stride_lq, offs_k,
-                             start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, True)
-    dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, Q_block_ptr, dO_block_ptr, L_ptr, Delta_ptr, stride_lq, offs_k,
-                             full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, False)
+            dq_dst = dq_base
+        row_L = L_ptr + batch_head * N_QUERIES
+        row_delta = Delta_ptr + batch_head * N_QUERIES
+        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
+                               start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
+        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
+                               full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
 
-    tl.store(dK_block_ptr, (dk * scale).to(dK_block_ptr.type.element_ty), boundary_check=(0, 1))
-    tl.store(dV_block_ptr, dv.to(dV_block_ptr.type.element_ty), boundary_check=(0, 1))
+    dk_dst = _tile_src(dK_ptr + batch * stride_dkb + kv_head * stride_dkh, stride_dkk, stride_dkd, N_KEYS,
+                       D, K_TILE_SIZE, D_TILE, USE_TMA)
+    dv_dst = _tile_src(dV_ptr + batch * stride_dvb + kv_head * stride_dvh, stride_dvk, stride_dvd, N_KEYS,
+                       D, K_TILE_SIZE, D_TILE, USE_TMA)
+    _store_tile(dk_dst, k_start, dk * scale, CHECK_K, CHECK_D, USE_TMA)
+    _store_tile(dv_dst, k_start, dv, CHECK_K, CHECK_D, USE_TMA)
 
 
 @triton.jit
@@ -363,63 +440,87 @@ def flash_bwd_dq_kernel(
     stride_kb, stride_kh, stride_kk, stride_kd,
     stride_vb, stride_vh, stride_vk, stride_vd,
     stride_dob, stride_doh, stride_doq, stride_dod,
-    stride_lb, stride_lh, stride_lq,
     stride_dqb, stride_dqh, stride_dqq, stride_dqd,
-    N_HEADS, N_QUERIES, N_KEYS,
-    scale,
-    D: tl.constexpr,
-    D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr,
-    K_TILE_SIZE: tl.constexpr,
-    is_causal: tl.constexpr,
-    SKIP_MASKED_TILES: tl.constexpr = True,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr,
+    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    """One program per (query tile, batch·head): dQ from all key tiles it sees."""
-    query_tile_index = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch_index = (batch_head // N_HEADS).to(tl.int64)
-    head_index = (batch_head % N_HEADS).to(tl.int64)
-    q_start = query_tile_index * Q_TILE_SIZE
+    """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
+    batch_head = tl.program_id(0)
+    q_tile = _tile_index(tl.program_id(1), tl.num_programs(1), is_causal and SKIP_MASKED_TILES)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    kv_head = head // KV_GROUP
+    q_start = q_tile * Q_TILE_SIZE
 
-    Q_block_ptr = _tile_ptr(Q_ptr, batch_index, head_index, stride_qb, stride_qh, stride_qq, stride_qd,
-                            N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    dO_block_ptr = _tile_ptr(dO_ptr, batch_index, head_index, stride_dob, stride_doh, stride_doq, stride_dod,
-                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
-    K_block_ptr = _tile_ptr(K_ptr, batch_index, head_index, stride_kb, stride_kh, stride_kk, stride_kd,
-                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
-    V_block_ptr = _tile_ptr(V_ptr, batch_index, head_index, stride_vb, stride_vh, stride_vk, stride_vd,
-                            N_KEYS, 0, D, K_TILE_SIZE, D_TILE)
-    dQ_block_ptr = _tile_ptr(dQ_ptr, batch_index, head_index, stride_dqb, stride_dqh, stride_dqq, stride_dqd,
-                             N_QUERIES, q_start, D, Q_TILE_SIZE, D_TILE)
+    q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
+                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    do_src = _tile_src(dO_ptr + batch * stride_dob + head * stride_doh, stride_doq, stride_dod, N_QUERIES,
+                       D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
+                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    dq_dst = _tile_src(dQ_ptr + batch * stride_dqb + head * stride_dqh, stride_dqq, stride_dqd, N_QUERIES,
+                       D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
+    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+    do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+    row = batch_head.to(tl.int64) * N_QUERIES
     in_range = offs_q < N_QUERIES
-    q = tl.load(Q_block_ptr, boundary_check=(0, 1), padding_option="zero")
-    do = tl.load(dO_block_ptr, boundary_check=(0, 1), padding_option="zero")
-    L_ptr += batch_index * stride_lb + head_index * stride_lh
-    lse = tl.load(L_ptr + offs_q * stride_lq, mask=in_range, other=0.0) * LOG2E
-    delta = tl.load(Delta_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q, mask=in_range, other=0.0)
+    lse = tl.load(L_ptr + row + offs_q, mask=in_range, other=0.0) * LOG2E
+    delta = tl.load(Delta_ptr + row + offs_q, mask=in_range, other=0.0)
     dq = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, K_block_ptr, V_block_ptr, offs_q, 0, full_stop,
-                       N_KEYS, qk_scale, K_TILE_SIZE, False, is_causal)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, K_block_ptr, V_block_ptr, offs_q, full_stop, stop,
-                       N_KEYS, qk_scale, K_TILE_SIZE, True, is_causal)
-    tl.store(dQ_block_ptr, (dq * scale).to(dQ_block_ptr.type.element_ty), boundary_check=(0, 1))
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
+                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+    _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
 
-def _autotuned(fn, configs, lengths):
+@triton.jit
+def flash_bwd_dq_cast_kernel(
+    dQacc_ptr, dQ_ptr, stride_dqb, stride_dqh, stride_dqq, stride_dqd,
+    N_HEADS, N_QUERIES, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
+):
+    """dQ = scale · dQacc in dQ's dtype and strides (the atomic design's last step)."""
+    batch_head = tl.program_id(0)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    offs_q = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
+    offs_d = tl.arange(0, D_TILE)
+    rows = (offs_q < N_QUERIES)[:, None]
+    acc = tl.load(dQacc_ptr + batch_head.to(tl.int64) * N_QUERIES * D_TILE + offs_q[:, None] * D_TILE
+                  + offs_d[None, :], mask=rows, other=0.0)
+    out = dQ_ptr + batch * stride_dqb + head * stride_dqh + offs_q[:, None] * stride_dqq + offs_d[None, :] * stride_dqd
+    tl.store(out, (acc * scale).to(dQ_ptr.dtype.element_ty), mask=rows & (offs_d < D)[None, :])
+
+
+FWD_CONFIGS = make_configs(
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)])
+KV_CONFIGS = make_configs(  # (Q_TILE_SIZE, K_TILE_SIZE, ...): keys per program are the second
+    [(128, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)])
+DQ_CONFIGS = make_configs(
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)])
+_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "KV_GROUP", "is_causal", "USE_TMA", "PRECISION"]
+
+
+def _autotuned(fn, configs, extra_key=()):
     return triton.autotune(
-        configs=configs, key=_AUTOTUNE_KEY,
-        prune_configs_by={"early_config_prune": _prune(("Q_TILE_SIZE", "K_TILE_SIZE"), lengths)},
-    )(fn)
+        configs=configs, key=[*_AUTOTUNE_KEY, *extra_key], prune_configs_by={"early_config_prune": _prune},
+    )(triton.heuristics(_EVEN_HEURISTICS)(fn))
 
 
-flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS, ("N_QUERIES", "N_KEYS"))
-flash_bwd_dkdv_autotuned = _autotuned(flash_bwd_dkdv_kernel, DKDV_CONFIGS, ("N_QUERIES", "N_KEYS"))
-flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS, ("N_QUERIES", "N_KEYS"))
+flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS)
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS, ["DQ_ATOMIC"])
+flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS)
 
 
 @dataclass(frozen=True)
@@ -435,6 +536,7 @@ class KernelSpec:
     jit: triton.JITFunction
     autotuned: triton.runtime.Autotuner
     wide_tiles: tuple[tuple[int, int], ...]  # (Q_TILE_SIZE, K_TILE_SIZE) pairs for a wide config search
+    constexprs: tuple[tuple[str, object], ...] = ()  # what this entry fixes beyond the shape's constexprs
 
     @property
     def configs(self) -> list[triton.Config]:
@@ -449,40 +551,46 @@ class KernelSpec:
             if param.is_constexpr:
                 break
             if name.endswith("_ptr"):
-                args.append(MockTensor(torch.float32 if name in ("L_ptr", "Delta_ptr") else dtype))
+                fp32 = name in ("L_ptr", "Delta_ptr", "dQacc_ptr")
+                args.append(MockTensor(torch.float32 if fp32 else dtype))
             elif name.startswith("stride_"):
                 args.append(_contiguous_stride(name, heads, seq, d))
             elif name == "N_HEADS":
                 args.append(heads)
+            elif name == "KV_GROUP":
+                args.append(1)
             elif name in ("N_QUERIES", "N_KEYS"):
                 args.append(seq)
             elif name == "scale":
                 args.append(d ** -0.5)
             else:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
-        return args, dict(D=d, D_TILE=padded_dim(d), is_causal=causal)
+        constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
+                          USE_TMA=_tma_default(), PRECISION=_precision(dtype), **dict(self.constexprs))
+        return args, constexprs
 
 
 def _contiguous_stride(name: str, heads: int, seq: int, d: int) -> int:
     """The stride a contiguous (1, heads, seq, d) launch passes for an argument named stride_<tensor><axis>."""
-    tensor_axis = name.removeprefix("stride_")
-    axis = tensor_axis[-1]
-    if tensor_axis.startswith("l"):  # L: (batch, heads, seq)
-        return {"b": heads * seq, "h": seq}.get(axis, 1)
+    axis = name[-1]
     return {"b": heads * seq * d, "h": seq * d, "d": 1}.get(axis, d)
 
 
 _WIDE_Q_K = ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128))
+_WIDE_KV = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128))
 KERNELS: dict[str, KernelSpec] = {
     "flash_fwd": KernelSpec("flash_fwd", flash_fwd_kernel, flash_fwd_autotuned, _WIDE_Q_K),
-    "flash_bwd_dkdv": KernelSpec(
-        "flash_bwd_dkdv", flash_bwd_dkdv_kernel, flash_bwd_dkdv_autotuned,
-        ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128))),
+    "flash_bwd_kv_atomic": KernelSpec(
+        "flash_bwd_kv_atomic", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV, (("DQ_ATOMIC", True),)),
+    "flash_bwd_kv": KernelSpec(
+        "flash_bwd_kv", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV, (("DQ_ATOMIC", False),)),
     "flash_bwd_dq": KernelSpec(
         "flash_bwd_dq", flash_bwd_dq_kernel, flash_bwd_dq_autotuned,
         ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))),
 }
-AUTOTUNED_KERNELS = {name: spec.autotuned for name, spec in KERNELS.items()}
+AUTOTUNED_KERNELS = {
+    "flash_fwd": flash_fwd_autotuned, "flash_bwd_kv": flash_bwd_kv_autotuned, "flash_bwd_dq": flash_bwd_dq_autotuned,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,12 +605,29 @@ class KernelOptions:
     triton_backward: bool = True     # False: torch.compile'd PyTorch backward
     skip_masked_tiles: bool = True   # False: causal visits every tile and masks it
     autotune: bool = True            # False: one fixed config per kernel
+    deterministic: bool = False      # True: two passes (dK/dV, then dQ), no atomics: bitwise repeatable
+    tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
+    # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
+    # "dq"); a kernel not named runs FIXED_CONFIG.
+    configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
 
 
 DEFAULT_OPTIONS = KernelOptions()
+DETERMINISTIC_OPTIONS = KernelOptions(deterministic=True)
 # (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) when not autotuning: a plain first kernel.
 FIXED_CONFIG = (16, 16, 1, 1) if INTERPRET else (64, 64, 4, 3)
-DELTA_TILE = 16 if INTERPRET else 128
+PREP_TILE = 16 if INTERPRET else 64
+
+
+def _tma_default() -> bool:
+    return not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp32 follows torch.get_float32_matmul_precision()."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _as_bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -516,8 +641,13 @@ def _as_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:])  # copies only if the leading dims cannot be merged
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.stride())
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and strides, and a contiguous last dim."""
+    for t in tensors:
+        per16 = 16 // t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % per16 for s in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _check_launchable(q: torch.Tensor) -> None:
@@ -530,12 +660,41 @@ def _check_launchable(q: torch.Tensor) -> None:
         raise ValueError(f"head dim {q.shape[-1]} is larger than the supported maximum {MAX_HEAD_DIM}")
 
 
-def _launch_args(opts: KernelOptions, kernel_autotuned, kernel_plain):
+def _launch_args(opts: KernelOptions, kernel_autotuned, name: str, **fixed):
     """The kernel to launch and its extra keyword arguments (a fixed config if not autotuning)."""
     if opts.autotune:
-        return kernel_autotuned, {}
-    q_tile, k_tile, warps, stages = FIXED_CONFIG
-    return kernel_plain, dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile, num_warps=warps, num_stages=stages)
+        return kernel_autotuned, fixed
+    q_tile, k_tile, warps, stages = dict(opts.configs).get(name, FIXED_CONFIG)
+    tiles = dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile, num_warps=warps, num_stages=stages)
+    return kernel_autotuned.fn, {**fixed, **tiles}  # the heuristics-wrapped kernel under the autotuner
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
+    use = (_tma_default() if opts.tma is None else opts.tma) and _tma_ok(*tensors)
+    if use:
+        triton.set_allocator(_scratch)
+    return use
+
+
+def _shape(q4: torch.Tensor, k4: torch.Tensor):
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    return batch, heads, kv_heads, n_q, n_k, d
+
+
+def _grid_y_ok(n: int, tile_name: str):
+    def grid_y(meta):
+        tiles = triton.cdiv(n, meta[tile_name])
+        if tiles > MAX_GRID_Y:
+            raise ValueError(f"sequence length {n} needs {tiles} tiles, more than the launch grid allows")
+        return tiles
+
+    return grid_y
 
 
 # torch.compile (the leaderboard compiles `.apply`) would re-generate these Triton kernels through
@@ -544,26 +703,22 @@ def _launch_args(opts: KernelOptions, kernel_autotuned, kernel_plain):
 @torch.compiler.disable
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-    opts: KernelOptions = DEFAULT_OPTIONS,
+    opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (..., Nq, D) in q's dtype and L (..., Nq) fp32, for checked inputs."""
     _check_launchable(q)
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     q4, k4, v4, o4 = (_as_bhsd(t) for t in (q, k, v, o))
-    l3 = lse.reshape(q4.shape[:-1])
-    batch, heads, n_q, d = q4.shape
-    n_k = k4.shape[2]
-    if batch * heads > MAX_GRID_Y:
-        raise ValueError(f"batch x heads = {batch * heads} exceeds the launch grid limit {MAX_GRID_Y}")
-    kernel, extra = _launch_args(opts, flash_fwd_autotuned, flash_fwd_kernel)
-    grid = lambda meta: (triton.cdiv(n_q, meta["Q_TILE_SIZE"]), batch * heads)  # noqa: E731
-    kernel[grid](
-        q4, k4, v4, o4, l3,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(l3),
-        heads, n_q, n_k, d ** -0.5,
-        D=d, D_TILE=padded_dim(d), is_causal=is_causal,
-        SKIP_MASKED_TILES=opts.skip_masked_tiles, **extra,
+    batch, heads, kv_heads, n_q, n_k, d = _shape(q4, k4)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    kernel, extra = _launch_args(opts, flash_fwd_autotuned, "fwd")
+    grid_y = _grid_y_ok(n_q, "Q_TILE_SIZE")
+    kernel[lambda meta: (batch * heads, grid_y(meta))](
+        q4, k4, v4, o4, lse,
+        *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+        heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale,
+        D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
+        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype), **extra,
     )
     return o, lse
 
@@ -571,47 +726,58 @@ def flash_forward_triton(
 @torch.compiler.disable
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS,
+    do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = (_as_bhsd(t) for t in (q, k, v, o, do))
-    l3 = lse.reshape(q4.shape[:-1])
-    batch, heads, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    batch, heads, kv_heads, n_q, n_k, d = _shape(q4, k4)
     d_tile = padded_dim(d)
+    scale = d ** -0.5 if scale is None else scale
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = (_as_bhsd(t) for t in (dq, dk, dv))
+    atomic = not opts.deterministic
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
-
-    flash_bwd_delta_kernel[(triton.cdiv(n_q, DELTA_TILE), batch * heads)](
-        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
-        D=d, D_TILE=d_tile, Q_TILE_SIZE=DELTA_TILE,
+    dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
+    n_prep = triton.cdiv(n_q, PREP_TILE)
+    flash_bwd_prep_kernel[(batch * heads, n_prep)](
+        o4, do4, delta, dq_acc, *o4.stride(), *do4.stride(), heads, n_q,
+        D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic,
     )
-    common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles)
-    kernel, extra = _launch_args(opts, flash_bwd_dkdv_autotuned, flash_bwd_dkdv_kernel)
-    kernel[lambda meta: (triton.cdiv(n_k, meta["K_TILE_SIZE"]), batch * heads)](
-        q4, k4, v4, do4, l3, delta, dk4, dv4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(l3),
-        *_strides(dk4), *_strides(dv4),
-        heads, n_q, n_k, d ** -0.5, **common, **extra,
+    use_tma = _use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,)))
+    common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
+                  USE_TMA=use_tma, PRECISION=_precision(q.dtype))
+    kernel, extra = _launch_args(opts, flash_bwd_kv_autotuned, "kv", DQ_ATOMIC=atomic)
+    grid_y = _grid_y_ok(n_k, "K_TILE_SIZE")
+    kernel[lambda meta: (batch * kv_heads, grid_y(meta))](
+        q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc,
+        *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk4.stride(), *dv4.stride(),
+        heads, heads // kv_heads, n_q, n_k, scale, **common, **extra,
     )
-    kernel, extra = _launch_args(opts, flash_bwd_dq_autotuned, flash_bwd_dq_kernel)
-    kernel[lambda meta: (triton.cdiv(n_q, meta["Q_TILE_SIZE"]), batch * heads)](
-        q4, k4, v4, do4, l3, delta, dq4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(l3), *_strides(dq4),
-        heads, n_q, n_k, d ** -0.5, **common, **extra,
-    )
+    if atomic:
+        flash_bwd_dq_cast_kernel[(batch * heads, n_prep)](
+            dq_acc, dq4, *dq4.stride(), heads, n_q, scale, D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE,
+        )
+    else:
+        kernel, extra = _launch_args(opts, flash_bwd_dq_autotuned, "dq")
+        grid_y = _grid_y_ok(n_q, "Q_TILE_SIZE")
+        kernel[lambda meta: (batch * heads, grid_y(meta))](
+            q4, k4, v4, do4, lse, delta, dq4,
+            *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq4.stride(),
+            heads, heads // kv_heads, n_q, n_k, scale, **common, **extra,
+        )
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. autograd.Function, ablation variants, functional API
+# 4. autograd.Function and functional API
 # ----------------------------------------------------------------------------------------------
 
 
 def _forward(ctx, Q, K, V, is_causal, opts: KernelOptions):
+    from cs336_systems.validation import check_attention_inputs
+
     check_attention_inputs(Q, K, V, is_causal)
     O, L = flash_forward_triton(Q, K, V, is_causal, opts)
     ctx.save_for_backward(L, Q, K, V, O)
@@ -620,6 +786,7 @@ def _forward(ctx, Q, K, V, is_causal, opts: KernelOptions):
     return O
 
 
+@torch.autograd.function.once_differentiable
 def _backward(ctx, dO):
     L, Q, K, V, O = ctx.saved_tensors
     if ctx.opts.triton_backward:
@@ -627,21 +794,6 @@ def _backward(ctx, dO):
     else:
         dQ, dK, dV = flash_backward_compiled(Q, K, V, O, dO, L, ctx.is_causal)
     return dQ, dK, dV, None
-
-
-class FlashAttention2Triton(torch.autograd.Function):
-    """FlashAttention-2: Triton forward and backward, causal tile skipping, autotuned tiles.
-
-    `.apply(Q, K, V, is_causal=False)` with Q (..., Nq, D), K and V (..., Nk, D).
-    """
-
-    @staticmethod
-    def forward(ctx, Q, K, V, is_causal=False):
-        return _forward(ctx, Q, K, V, is_causal, DEFAULT_OPTIONS)
-
-    @staticmethod
-    def backward(ctx, dO):
-        return _backward(ctx, dO)
 
 
 def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
@@ -657,12 +809,32 @@ def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Fun
     })
 
 
+class FlashAttention2Triton(torch.autograd.Function):
+    """FlashAttention-2: Triton forward and backward, causal tile skipping, autotuned tiles.
+
+    `FlashAttention2Triton.apply(Q, K, V, is_causal)` (positional: autograd.Function.apply takes
+    no keywords) with Q (..., Nq, D), K and V (..., Nk, D). Saves exactly one (..., Nq) logsumexp.
+    """
+
+    @staticmethod
+    def forward(ctx, Q, K, V, is_causal=False):
+        return _forward(ctx, Q, K, V, is_causal, DEFAULT_OPTIONS)
+
+    @staticmethod
+    def backward(ctx, dO):
+        return _backward(ctx, dO)
+
+
+FlashAttention2TritonDeterministic = autograd_function("FlashAttention2TritonDeterministic", DETERMINISTIC_OPTIONS)
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """softmax(q kᵀ/√d [causal]) v for q (..., Nq, D), k and v (..., Nk, D), e.g. (B, H, S, D)."""
     return FlashAttention2Triton.apply(q, k, v, is_causal)
 
 
 __all__ = [
-    "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "KernelOptions", "KernelSpec",
-    "autograd_function", "flash_attention", "flash_backward_triton", "flash_forward_triton", "make_configs",
+    "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "FlashAttention2TritonDeterministic",
+    "KernelOptions", "KernelSpec", "autograd_function", "flash_attention", "flash_backward_triton",
+    "flash_forward_triton", "make_configs",
 ]

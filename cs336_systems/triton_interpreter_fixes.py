@@ -1,10 +1,12 @@
-"""Two bf16 fixes for Triton 3.6's CPU interpreter (TRITON_INTERPRET=1), applied by flash_triton.
+"""Fixes for Triton 3.6's CPU interpreter (TRITON_INTERPRET=1), applied by flash_triton.
 
 The interpreter stores bf16 as uint16 bit patterns, and
   1. `tl.dot` on bf16 operands multiplies those bit patterns as integers (garbage), and
   2. fp32 -> bf16 casts truncate, where the GPU rounds to nearest even (a bias that doubles the
      error of long bf16 sums).
-Both are patched in the interpreter's builder so that the kernels stay free of interpreter cases
+  3. It has no `create_descriptor_reduce`, so a TMA descriptor's `atomic_add` fails; it is added
+     here as the masked atomic add the GPU's bulk reduction performs.
+All are patched in the interpreter's builder so that the kernels stay free of interpreter cases
 and the CPU tests see the arithmetic the GPU does: bf16 products are exact in fp32, so upcasting
 the dot operands matches tensor-core math. Nothing here runs unless the interpreter is in use.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.runtime import interpreter
 
 
@@ -46,5 +49,13 @@ def apply() -> None:
             return interpreter.TensorHandle(_fp32_to_bf16_rtne(src.data), tl.bfloat16)
         return cast_impl(self, src, dst_type)
 
+    def descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind} is not patched into the interpreter")
+        ptrs, mask = desc.materialize_pointers(indices)
+        return self.create_atomic_rmw(
+            ir.ATOMIC_OP.FADD, ptrs, value, interpreter.TensorHandle(mask, tl.int1), ir.MEM_SEMANTIC.RELAXED, None)
+
     builder.create_dot, builder.cast_impl = dot, cast
+    builder.create_descriptor_reduce = descriptor_reduce
     builder._cs336_bf16_fixed = True
