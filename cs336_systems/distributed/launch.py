@@ -1,0 +1,217 @@
+"""Run a function on N freshly spawned ranks of one host, under a deadline, and collect the results.
+
+`launch(worker, world_size, ...)` hosts the rendezvous `TCPStore` in the calling process on a port
+the OS picks (port 0: no clash between concurrent launches or tests), spawns `world_size` processes
+that join it, call `init_process_group`, and run `worker(ctx, *args)`. It returns every rank's
+return value, in rank order. If any rank raises or dies, or the deadline passes, all remaining ranks
+are terminated (then killed) and joined before `WorkerError` / `TimeoutError` is raised, so a caller
+such as pytest can never hang on a peer stuck in a collective.
+
+On CUDA (NCCL) rank r uses GPU r. NVLink SHARP / multicast stays off in every rank
+(`NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1`, set with
+`setdefault` before the process group exists).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+HOST = "127.0.0.1"
+POLL_S = 0.05
+TERMINATE_GRACE_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A rank raised or died; the message carries its traceback (or exit code)."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker function gets: its rank, the group's size and backend, its device, a message channel."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    channel: Any  # multiprocessing queue to the launcher
+
+    def send(self, message: Any) -> None:
+        """Hand `message` (picklable) to the launcher's `on_message(rank, message)` right away."""
+        self.channel.put(("message", self.rank, pickle.dumps(message)))
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when there is one CUDA device per rank, Gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """ValueError unless `backend` can run `world_size` ranks on this host."""
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < world_size:
+            raise ValueError(
+                f"NCCL with world size {world_size} needs {world_size} CUDA devices (one per rank); "
+                f"this host has {available}"
+            )
+
+
+def launch(
+    worker: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    num_threads: int | None = None,
+    on_message: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
+    """Run `worker(ctx, *args)` on ranks 0..world_size-1; return their results in rank order.
+
+    `worker` must be a module-level function (the processes are spawned, not forked). `num_threads`
+    caps each rank's intra-op CPU threads (useful when ranks share a few cores). Messages a rank
+    sends with `ctx.send` reach `on_message(rank, message)` in this process while the ranks run.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    backend = backend or default_backend(world_size)
+    check_backend(backend, world_size)
+
+    store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    channel = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, backend, store.port, timeout_s, num_threads, channel, worker, args),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+
+    def handle(kind: str, rank: int, payload: Any) -> None:
+        if kind == "message":
+            if on_message is not None:
+                on_message(rank, pickle.loads(payload))
+        elif kind == "result":
+            results[rank] = pickle.loads(payload)
+        else:
+            failures.append(f"rank {rank} raised:\n{payload}")
+
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size and not failures:
+            try:
+                handle(*channel.get(timeout=POLL_S))
+                continue
+            except queue.Empty:
+                pass
+            if any(rank not in results and p.exitcode is not None for rank, p in enumerate(procs)):
+                # A rank has exited: take what it sent before it died, then see whether it reported.
+                _drain(channel, handle)
+                for rank, p in enumerate(procs):
+                    if rank not in results and p.exitcode is not None and not failures:
+                        failures.append(f"rank {rank} exited with code {p.exitcode} before reporting a result")
+            elif time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g} s")
+    finally:
+        # After a failure or timeout, peers may be stuck in a collective: no grace period then.
+        _stop(procs, grace_s=TERMINATE_GRACE_S if len(results) == world_size else 0.0)
+        channel.close()
+    if failures:
+        raise WorkerError(failures[0])
+    return [results[r] for r in range(world_size)]
+
+
+def _drain(channel: Any, handle: Callable[..., None], wait_s: float = 1.0) -> None:
+    """Hand every item still in (or arriving within `wait_s` on) the channel to `handle`."""
+    while True:
+        try:
+            handle(*channel.get(timeout=wait_s))
+        except queue.Empty:
+            return
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """Join every started process; terminate, then kill, the ones still running after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is not None:
+            p.join(TERMINATE_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    num_threads: int | None,
+    channel: Any,
+    worker: Callable[..., Any],
+    args: tuple,
+) -> None:
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(key, value)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **({"device_id": device} if backend == "nccl" else {}),
+        )
+        result = worker(WorkerContext(rank, world_size, backend, device, channel), *args)
+        channel.put(("result", rank, pickle.dumps(result)))
+    except BaseException:
+        # Report first: the launcher then stops every rank, including peers stuck in a collective.
+        channel.put(("error", rank, traceback.format_exc()))
+        raise
+    # Every rank finished its collectives before returning, so this does not wait on peers.
+    dist.destroy_process_group()

@@ -1,0 +1,311 @@
+"""DDP wrappers on the CPU with Gloo: two spawned ranks must train exactly like one process.
+
+One launch of two ranks (module fixture) trains every wrapper on two toy models and returns each
+rank's final weights; the tests compare them with single-process training on the whole batch. The
+models are float64 so "exactly" can mean agreement to ~1e-12 (the only difference is the order of
+the floating-point sums: two half-batch means averaged vs one full-batch mean). Each rank starts
+from a different random init, so a missing rank-0 broadcast fails; SGD with momentum is sensitive
+to the gradient scale, so a missing division by the world size fails too.
+
+The training loops use a few lines of SGD with momentum instead of `torch.optim.SGD`: any
+`torch.optim.Optimizer` imports torch._dynamo on construction (seconds per spawned rank), and the
+wrappers do not care which optimizer follows them.
+
+Input checks (bucket size, device, missing process group) run in this process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.distributed.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, assign_buckets
+from cs336_systems.distributed.launch import launch
+from tests import adapters
+
+WORLD_SIZE = 2
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.05
+MOMENTUM = 0.9
+TOL = dict(rtol=1e-10, atol=1e-12)
+# (variant name, bucket size in MiB or None). 1e-6 MiB (~1 byte) puts every parameter in its own
+# bucket; 4e-4 MiB (~420 bytes) packs a few small ones together; 100 MiB makes one bucket.
+VARIANTS = [
+    ("naive", None),
+    ("flat", None),
+    ("individual", None),
+    ("bucketed", 1e-6),
+    ("bucketed", 4e-4),
+    ("bucketed", 100.0),
+]
+MODELS = ("toy", "tied")
+
+
+class ToyModel(nn.Module):
+    """Linear layers with biases, a LayerNorm, a frozen parameter, an unused parameter and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 8, bias=False)
+        self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
+        self.unused = nn.Linear(3, 3)  # trainable, never in the graph: its grad stays None
+        self.register_buffer("scale", torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(torch.relu(self.fc1(x)))) * self.scale + self.frozen
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+
+class TiedModel(nn.Module):
+    """Embedding and output projection share one Parameter (registered under two names)."""
+
+    def __init__(self, vocab: int = 12, d: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.hidden = nn.Linear(d, d)
+        self.frozen_bias = nn.Parameter(torch.randn(d), requires_grad=False)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(x))) + self.frozen_bias)
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+class SGDMomentum:
+    """torch.optim.SGD(params, lr, momentum)'s update (dampening 0, no Nesterov), skipping grad=None."""
+
+    def __init__(self, params) -> None:
+        self.params = list(params)
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            buf = self.buffers.get(id(p))
+            if buf is None:
+                buf = self.buffers[id(p)] = p.grad.clone()
+            else:
+                buf.mul_(MOMENTUM).add_(p.grad)
+            p.add_(buf, alpha=-LR)
+
+
+def make_model(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return (ToyModel() if kind == "toy" else TiedModel()).double()
+
+
+def make_batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of every step (identical in every process)."""
+    g = torch.Generator().manual_seed(1234)
+    if kind == "toy":
+        return [
+            (torch.randn(GLOBAL_BATCH, 10, generator=g, dtype=torch.float64),
+             torch.randn(GLOBAL_BATCH, 8, generator=g, dtype=torch.float64))
+            for _ in range(STEPS)
+        ]
+    return [
+        (torch.randint(0, 12, (GLOBAL_BATCH, 5), generator=g), torch.randint(0, 12, (GLOBAL_BATCH, 5), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def wrap(variant: str, bucket_mb: float | None, model: nn.Module) -> nn.Module:
+    if variant == "naive":
+        return NaiveDDP(model)
+    if variant == "flat":
+        return FlatDDP(model)
+    if variant == "individual":
+        return adapters.get_ddp_individual_parameters(model)
+    return adapters.get_ddp_bucketed(model, bucket_mb)
+
+
+def train_ddp(ctx, kind: str, variant: str, bucket_mb: float | None) -> dict:
+    """Train one wrapper on this rank's half of every batch; the final weights and what was seen."""
+    model = make_model(kind, seed=100 + ctx.rank)  # different on every rank: the broadcast must fix it
+    ddp = wrap(variant, bucket_mb, model)
+    after_broadcast = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = SGDMomentum(p for p in ddp.parameters() if p.requires_grad)
+    per_rank = GLOBAL_BATCH // ctx.world_size
+    pending_after_backward = []
+    for x, y in make_batches(kind):
+        x, y = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        if variant == "bucketed":
+            adapters.ddp_bucketed_on_train_batch_start(ddp, optimizer)
+        optimizer.zero_grad()
+        type(model).loss(ddp(x), y).backward()
+        pending_after_backward.append(getattr(ddp, "num_pending", None))
+        if variant == "individual":
+            adapters.ddp_individual_parameters_on_after_backward(ddp, optimizer)
+        elif variant == "bucketed":
+            adapters.ddp_bucketed_on_after_backward(ddp, optimizer)
+        else:
+            ddp.finish_gradient_synchronization()
+        optimizer.step()
+    return {
+        "after_broadcast": after_broadcast,
+        "final": {k: v.clone() for k, v in model.state_dict().items()},
+        "unused_grad_is_none": kind == "toy" and all(p.grad is None for p in model.unused.parameters()),
+        "pending_after_backward": pending_after_backward,
+        "n_buckets": len(ddp.buckets) if variant == "bucketed" else None,
+        "n_params": len(ddp.params),
+    }
+
+
+def all_variants_worker(ctx) -> dict:
+    return {(kind, variant, mb): train_ddp(ctx, kind, variant, mb) for kind in MODELS for variant, mb in VARIANTS}
+
+
+def train_single_process(kind: str) -> tuple[dict, dict]:
+    """Reference: rank 0's initial model trained on the whole batch in this process."""
+    model = make_model(kind, seed=100)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = SGDMomentum(p for p in model.parameters() if p.requires_grad)
+    for x, y in make_batches(kind):
+        optimizer.zero_grad()
+        type(model).loss(model(x), y).backward()
+        optimizer.step()
+    return init, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def ddp_results() -> list[dict]:
+    return launch(all_variants_worker, WORLD_SIZE, backend="gloo", timeout_s=180, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {kind: train_single_process(kind) for kind in MODELS}
+
+
+def variant_id(v: tuple[str, float | None]) -> str:
+    return v[0] if v[1] is None else f"{v[0]}-{v[1]:g}MiB"
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_ddp_matches_single_process(ddp_results, references, kind, variant):
+    init, expected = references[kind]
+    # The reference must actually move (else the comparison proves nothing), except frozen tensors.
+    moved = [k for k in expected if not torch.equal(init[k], expected[k])]
+    assert "fc1.weight" in moved or "embed.weight" in moved
+    for rank, results in enumerate(ddp_results):
+        result = results[(kind, *variant)]
+        for name, value in result["after_broadcast"].items():
+            torch.testing.assert_close(value, init[name], rtol=0, atol=0, msg=f"rank {rank} {name} after broadcast")
+        for name, value in result["final"].items():
+            torch.testing.assert_close(value, expected[name], **TOL, msg=f"rank {rank} {name} after {STEPS} steps")
+        for name in ("frozen", "scale", "frozen_bias", "unused.weight", "unused.bias"):
+            if name in init:
+                assert torch.equal(result["final"][name], init[name]), f"{name} changed"
+        if kind == "toy":
+            assert result["unused_grad_is_none"]
+        if kind == "tied":
+            assert result["n_params"] == 3  # embed/out weight once, hidden weight and bias
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_overlapped_variants_communicate_during_backward(ddp_results, kind):
+    """Right after backward() returns, the overlapped wrappers have already launched their all-reduces."""
+    for results in ddp_results:
+        individual = results[(kind, "individual", None)]
+        n_with_grad = individual["n_params"] - (2 if kind == "toy" else 0)  # toy: `unused` gets no gradient
+        assert individual["pending_after_backward"] == [n_with_grad] * STEPS
+        one_per_param = results[(kind, "bucketed", 1e-6)]
+        assert one_per_param["n_buckets"] == one_per_param["n_params"]
+        assert one_per_param["pending_after_backward"] == [n_with_grad] * STEPS
+        one_bucket = results[(kind, "bucketed", 100.0)]
+        assert one_bucket["n_buckets"] == 1
+        # toy: the single bucket also holds `unused`, so it is only launched in finish_gradient_synchronization
+        assert one_bucket["pending_after_backward"] == [0 if kind == "toy" else 1] * STEPS
+
+
+def test_assign_buckets_reverse_order_and_size_limit():
+    params = [torch.empty(n) for n in (10, 20, 5, 40, 3)]  # float32: 40, 80, 20, 160, 12 bytes
+    # From the last: 12 (+160 would exceed 100), 160 alone, 20 + 80 = 100 (at most: fits), 40.
+    assert assign_buckets(params, 100) == [[4], [3], [2, 1], [0]]
+    assert assign_buckets(params, 200) == [[4, 3, 2], [1, 0]]
+    assert assign_buckets(params, 1) == [[4], [3], [2], [1], [0]]  # each alone, even above the limit
+    assert assign_buckets(params, 1e9) == [[4, 3, 2, 1, 0]]
+    mixed = [torch.empty(2), torch.empty(2, dtype=torch.float64), torch.empty(2)]
+    assert assign_buckets(mixed, 1e9) == [[2], [1], [0]]  # a bucket holds one dtype
+    with pytest.raises(ValueError, match="positive"):
+        assign_buckets(params, 0)
+
+
+WRAPPERS = [NaiveDDP, FlatDDP, DDPIndividualParameters, lambda m: DDPBucketed(m, 1.0)]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf])
+def test_bucket_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        DDPBucketed(nn.Linear(2, 2), bad)
+
+
+@pytest.mark.parametrize("bad", ["10", None, True])
+def test_bucket_size_must_be_a_number(bad):
+    with pytest.raises(TypeError, match="bucket_size_mb"):
+        DDPBucketed(nn.Linear(2, 2), bad)
+
+
+@pytest.mark.parametrize("make", WRAPPERS)
+def test_no_process_group_is_a_clear_error(make):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        make(nn.Linear(2, 2))
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-rank Gloo group in this process, for checks that need a group but no peers."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("make", WRAPPERS)
+def test_module_on_a_device_the_backend_cannot_use(single_rank_group, make):
+    with pytest.raises(ValueError, match="meta"):
+        make(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(TypeError, match="nn.Module"):
+        make(torch.zeros(2))
+
+
+def test_single_rank_group_trains_like_plain_module(single_rank_group):
+    """World size 1: the wrapper is transparent (sync of one rank is the identity)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    ref = nn.Linear(4, 3).double()
+    ref.load_state_dict(model.state_dict())
+    ddp = DDPBucketed(model, 1e-6)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_synchronization()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    # A second backward without finish_gradient_synchronization() is refused, not silently mixed in.
+    ddp(x).sum().backward()
+    with pytest.raises(RuntimeError, match="finish_gradient_synchronization"):
+        ddp(x).sum().backward()
