@@ -1,18 +1,19 @@
-"""Kernel design sweep at the leaderboard shape (bf16, causal, 1 x 16 x 16384 x 64) on one GPU.
+"""Kernel design sweep of our FlashAttention-2 kernels on one GPU (bf16, causal), per plan (`PLANS`).
 
-One call of this script times every (design, config) of our FlashAttention-2 kernels with fixed
-configs (no autotuner), beside PyTorch SDPA's flash and cuDNN backends in the same process:
+One call times every (design, config) of a plan with fixed configs (no autotuner), beside PyTorch
+SDPA's flash and cuDNN backends in the same process:
   fwd/<tma|ptr>            the forward, TMA descriptors or block pointers;
-  bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or red.global);
-  bwd/det-<tma|ptr>        the deterministic two-pass backward (kv config swept with the dq config fixed,
-                           then dq swept with the best kv config).
+  bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or atom.add);
+  bwd/det-<tma|ptr>        the deterministic two-pass backward (kv configs run with the plan's fixed
+                           dq config, then dq configs with the best kv config).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
-against a float64 reference at 2 x 2048 x 64 (causal and not) and against SDPA cuDNN at full size.
-Rows (JSONL, one per timing, with GPU, versions and commit) go to --out; a table is printed last.
+against float64 at 2 x 2048 x d (causal and not) and against SDPA cuDNN at the plan's shape, and its
+per-kernel CUDA times are read with torch.profiler. Rows (JSONL, with GPU, versions, commit and
+plan) go to --out; a table is printed last.
 
-    CS336_BENCH_COMMIT=<commit> python3 runs/kernels/sweep.py --out $OUT/sweep.jsonl
+    CS336_BENCH_COMMIT=<commit> python3 runs/kernels/sweep.py --plan tune64 tune128 --out $OUT/sweep.jsonl
 """
 
 from __future__ import annotations
@@ -26,16 +27,54 @@ import os
 import time
 
 SHAPE = (1, 16, 16384, 64)
-FWD_TILES = ((128, 64), (128, 128), (64, 64), (64, 128))
-KV_TILES = ((128, 64), (64, 128), (64, 64), (128, 128), (32, 128))
-DQ_TILES = ((128, 64), (128, 32), (64, 64), (128, 128))
 WARPS = (4, 8)
 STAGES = (2, 3)
-DQ_FIXED = (128, 64, 4, 3)
+BASE_FWD = (128, 64, 4, 3)
 
 
-def flops(mode: str) -> float:
-    b, h, s, d = SHAPE
+def _grid(tiles, warps, stages):
+    return [(q, k, w, s) for (q, k), w, s in itertools.product(tiles, warps, stages)]
+
+
+# A plan: the shape, then per design the configs to time. "kv" configs of the two-pass designs run
+# with the plan's dq_fixed; then "dq" configs run with the best kv config found.
+PLANS = {
+    # run 1: the four backward designs and both forward load paths, a broad grid
+    "designs": dict(
+        shape=SHAPE,
+        fwd={f"fwd/{m}": _grid(((128, 64), (128, 128), (64, 64), (64, 128)), WARPS, STAGES) for m in ("tma", "ptr")},
+        kv={**{f"bwd/atomic-{m}": _grid(((128, 64), (64, 128), (64, 64), (128, 128), (32, 128)), WARPS, STAGES)
+               for m in ("tma", "ptr")},
+            **{f"bwd/det-{m}": _grid(((128, 64), (64, 128), (64, 64), (128, 128), (32, 128)), WARPS, (3,))
+               for m in ("tma", "ptr")}},
+        dq=_grid(((128, 64), (128, 32), (64, 64), (128, 128)), WARPS, STAGES),
+        dq_fixed=(128, 64, 4, 3),
+    ),
+    # run 2: around the winners of run 1 (TMA), deeper pipelines, 16- and 256-row tiles
+    "tune64": dict(
+        shape=SHAPE,
+        fwd={"fwd/tma": _grid(((128, 64), (128, 128), (64, 128), (64, 64)), (4,), (2, 3, 4, 5))
+             + _grid(((128, 128), (256, 64)), (8,), (2, 3))},
+        kv={"bwd/det-tma": _grid(((32, 128), (16, 128), (32, 64), (64, 128), (16, 64)), (4,), (2, 3, 4, 5))
+            + _grid(((32, 256), (64, 256), (32, 128), (16, 128)), (8,), (2, 3)),
+            "bwd/atomic-tma": _grid(((64, 64), (32, 64), (64, 32)), (4,), (2, 3, 4, 5))},
+        dq=_grid(((128, 64), (128, 32), (64, 64), (64, 32)), (4,), (2, 3, 4, 5))
+        + _grid(((256, 64), (256, 32), (128, 64)), (8,), (2, 3)),
+        dq_fixed=(128, 64, 4, 3),
+    ),
+    # run 2: head dim 128 (issue 8 target 4: 1 x 1 x 65536 x 128, causal)
+    "tune128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={"fwd/tma": _grid(((128, 64), (128, 128), (64, 64), (64, 128)), WARPS, (2, 3))},
+        kv={"bwd/det-tma": _grid(((32, 64), (64, 64), (16, 128), (32, 128), (64, 128)), WARPS, (2, 3))},
+        dq=_grid(((128, 64), (64, 64), (128, 32), (64, 32), (128, 128)), WARPS, (2, 3)),
+        dq_fixed=(64, 64, 4, 3),
+    ),
+}
+
+
+def flops(mode: str, shape=SHAPE) -> float:
+    b, h, s, d = shape
     fwd = 4 * b * h * s * s * d * 0.5
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
@@ -70,45 +109,35 @@ def run_once(design: str, configs: dict, tensors):
 
 def compile_job(job):
     """Worker: compile (and run once) one design/config at the real shape; report failures."""
-    design, configs = job
+    design, configs, shape = job
     import torch
 
     try:
-        run_once(design, configs, inputs())
+        run_once(design, configs, inputs(0, shape))
         torch.cuda.synchronize()
         return job, None
     except Exception as e:  # a config that cannot compile or launch is recorded, not fatal
         return job, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def jobs():
-    out = []
-    for tma in ("tma", "ptr"):
-        for (bq, bk), w, s in itertools.product(FWD_TILES, WARPS, STAGES):
-            out.append((f"fwd/{tma}", {"fwd": (bq, bk, w, s)}))
-        for (bq, bk), w, s in itertools.product(KV_TILES, WARPS, STAGES):
-            out.append((f"bwd/atomic-{tma}", {"fwd": (128, 64, 4, 3), "kv": (bq, bk, w, s)}))
-        for (bq, bk), w in itertools.product(KV_TILES, WARPS):
-            out.append((f"bwd/det-{tma}", {"fwd": (128, 64, 4, 3), "kv": (bq, bk, w, 3), "dq": DQ_FIXED}))
+def jobs(plan):
+    out = [(design, {"fwd": c}) for design, grid in plan["fwd"].items() for c in grid]
+    for design, grid in plan["kv"].items():
+        fixed = {"dq": plan["dq_fixed"]} if "/det" in design else {}
+        out += [(design, {"fwd": BASE_FWD, "kv": c, **fixed}) for c in grid]
     return out
 
 
-def dq_jobs(best_kv: dict):
-    out = []
-    for tma in ("tma", "ptr"):
-        kv = best_kv.get(f"bwd/det-{tma}")
-        if kv is None:
-            continue
-        for (bq, bk), w, s in itertools.product(DQ_TILES, WARPS, STAGES):
-            out.append((f"bwd/det-{tma}", {"fwd": (128, 64, 4, 3), "kv": kv, "dq": (bq, bk, w, s)}))
-    return out
+def dq_jobs(plan, best_kv: dict):
+    return [(design, {"fwd": BASE_FWD, "kv": kv, "dq": c})
+            for design, kv in best_kv.items() if "/det" in design for c in plan["dq"]]
 
 
-def precompile(job_list, workers: int):
+def precompile(job_list, shape, workers: int):
     failed = {}
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for (design, configs), err in pool.map(compile_job, job_list):
+        for (design, configs, _), err in pool.map(compile_job, [(d, c, shape) for d, c in job_list]):
             if err:
                 failed[(design, json.dumps(configs, sort_keys=True))] = err
     return failed
@@ -132,8 +161,8 @@ def time_job(design, configs, tensors, rep_ms, warmup_ms):
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def check_design(design, configs, meta):
-    """Float64 reference at 2 x 2048 x 64 (causal and not), and SDPA cuDNN at the full shape."""
+def check_design(design, configs, meta, d=64):
+    """Float64 reference at 2 x 2048 x d (causal and not)."""
     import torch
     import torch.nn.functional as F
 
@@ -142,7 +171,7 @@ def check_design(design, configs, meta):
     opts = options(design, configs)
     result = {}
     for causal in (False, True):
-        q, k, v, do = inputs(1, (1, 2, 2048, 64))
+        q, k, v, do = inputs(1, (1, 2, 2048, d))
         o, lse = flash_forward_triton(q, k, v, causal, opts)
         ours = [o]
         if design.startswith("bwd"):
@@ -163,97 +192,121 @@ def check_design(design, configs, meta):
     return result
 
 
+def profile_kernels(design, configs, tensors):
+    """CUDA time per kernel (µs, mean of 10 calls) of one design, from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run_once(design, configs, tensors)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            run_once(design, configs, tensors)
+        torch.cuda.synchronize()
+    times = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.count:
+            times[evt.key] = getattr(evt, "device_time_total", 0.0) / 10
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--plan", nargs="+", choices=list(PLANS), default=["designs"])
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--rep-ms", type=float, default=200)
     ap.add_argument("--warmup-ms", type=float, default=50)
     args = ap.parse_args()
 
     import torch
+    import torch.nn.functional as F
     import triton
     import triton.testing
-
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=os.environ.get("CS336_BENCH_COMMIT", "unknown"),
-                run_id=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), shape=list(SHAPE), dtype="bf16",
-                is_causal=True, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms)
-    out = open(args.out, "a")
-
-    def write(row):
-        row = {**meta, **row}
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        return row
-
-    t0 = time.time()
-    job_list = jobs()
-    failed = precompile(job_list, args.workers)
-    print(f"precompiled {len(job_list)} jobs in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
-
-    tensors = inputs()
-    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v, do = tensors
-    for backend, name in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
-        with sdpa_kernel(backend):
-            fq, fk, fv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            fwd = lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True)  # noqa: E731
-            o = fwd()
-            bwd = lambda: torch.autograd.grad(o, (fq, fk, fv), do, retain_graph=True)  # noqa: E731
-            ms_f = triton.testing.do_bench(fwd, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-            ms_b = triton.testing.do_bench(bwd, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-        write(dict(design=name, kernel="fwd", ms=ms_f, tflops=flops("fwd") / ms_f / 1e9, status="ok"))
-        write(dict(design=name, kernel="bwd", ms=ms_b, tflops=flops("bwd") / ms_b / 1e9, status="ok"))
+    t0 = time.time()
+    out = open(args.out, "a")
+    summary = []
+    for plan_name in args.plan:
+        plan = PLANS[plan_name]
+        shape = plan["shape"]
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    commit=os.environ.get("CS336_BENCH_COMMIT", "unknown"), plan=plan_name,
+                    run_id=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), shape=list(shape), dtype="bf16",
+                    is_causal=True, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms)
 
-    best: dict[str, tuple[float, dict]] = {}
+        def write(row):
+            row = {**meta, **row}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            return row
 
-    def time_all(job_list):
-        for design, configs in job_list:
-            key = (design, json.dumps(configs, sort_keys=True))
-            kernel = design.split("/")[0]
-            row = dict(design=design, kernel=kernel, configs=configs)
-            if key in failed:
-                write({**row, "status": "error: " + failed[key]})
-                continue
+        job_list = jobs(plan)
+        failed = precompile(job_list, shape, args.workers)
+        print(f"{plan_name}: precompiled {len(job_list)} jobs, {len(failed)} failed ({time.time() - t0:.0f} s)",
+              flush=True)
+        tensors = inputs(0, shape)
+        q, k, v, do = tensors
+        for backend, name in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+            with sdpa_kernel(backend):
+                fq, fk, fv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                fwd = lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True)  # noqa: E731
+                o = fwd()
+                bwd = lambda: torch.autograd.grad(o, (fq, fk, fv), do, retain_graph=True)  # noqa: E731
+                ms_f = triton.testing.do_bench(fwd, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                ms_b = triton.testing.do_bench(bwd, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+            for kernel, ms in (("fwd", ms_f), ("bwd", ms_b)):
+                write(dict(design=name, kernel=kernel, ms=ms, tflops=flops(kernel, shape) / ms / 1e9, status="ok"))
+                summary.append((plan_name, f"{name}/{kernel}", ms, flops(kernel, shape) / ms / 1e9, ""))
+
+        best: dict[str, tuple[float, dict]] = {}
+
+        def time_all(job_list):
+            for design, configs in job_list:
+                key = (design, json.dumps(configs, sort_keys=True))
+                kernel = design.split("/")[0]
+                row = dict(design=design, kernel=kernel, configs=configs)
+                if key in failed:
+                    write({**row, "status": "error: " + failed[key]})
+                    continue
+                try:
+                    ms = time_job(design, configs, tensors, args.rep_ms, args.warmup_ms)
+                except Exception as e:  # recorded as the row's status; the sweep goes on
+                    write({**row, "status": f"error: {type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                write({**row, "ms": ms, "tflops": flops(kernel, shape) / ms / 1e9, "status": "ok"})
+                if design not in best or ms < best[design][0]:
+                    best[design] = (ms, configs)
+
+        time_all(job_list)
+        extra = dq_jobs(plan, {d: c["kv"] for d, (_, c) in best.items()})
+        failed.update(precompile(extra, shape, args.workers))
+        time_all(extra)
+
+        for design, (ms, configs) in sorted(best.items()):
             try:
-                ms = time_job(design, configs, tensors, args.rep_ms, args.warmup_ms)
-            except Exception as e:  # recorded as the row's status; the sweep goes on
-                write({**row, "status": f"error: {type(e).__name__}: {str(e)[:300]}"})
-                continue
-            write({**row, "ms": ms, "tflops": flops(kernel) / ms / 1e9, "status": "ok"})
-            if design not in best or ms < best[design][0]:
-                best[design] = (ms, configs)
+                errs, status = check_design(design, configs, meta, shape[-1]), "ok"
+            except Exception as e:  # recorded as the row's status
+                errs, status = {}, f"error: {type(e).__name__}: {str(e)[:300]}"
+            write(dict(design=design, kernel="check", configs=configs, status=status, **errs))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                lv = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*lv, is_causal=True)
+                ref.backward(do)
+            ours = run_once(design, configs, tensors)
+            refs = [ref.detach(), *(t.grad for t in lv)][: len(ours)]
+            diffs = {f"full_size_{n}_rel_diff_vs_cudnn": ((x.float() - r.float()).norm() / r.float().norm()).item()
+                     for n, x, r in zip(("o", "dq", "dk", "dv"), ours, refs)}
+            write(dict(design=design, kernel="check_full_size", configs=configs, status="ok", **diffs))
+            write(dict(design=design, kernel="profile_us", configs=configs, status="ok",
+                       kernels=profile_kernels(design, configs, tensors)))
+            kernel = design.split("/")[0]
+            summary.append((plan_name, design, ms, flops(kernel, shape) / ms / 1e9, configs))
 
-    time_all(job_list)
-    extra = dq_jobs({d: c["kv"] for d, (_, c) in best.items() if "det" in d})
-    failed.update(precompile(extra, args.workers))
-    time_all(extra)
-
-    for design, (ms, configs) in sorted(best.items()):
-        try:
-            errs = check_design(design, configs, meta)
-            status = "ok"
-        except Exception as e:  # recorded as the row's status
-            errs, status = {}, f"error: {type(e).__name__}: {str(e)[:300]}"
-        write(dict(design=design, kernel="check", configs=configs, status=status, **errs))
-        # full-size agreement with cuDNN (bf16), as a second opinion
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            lv = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            ref = F.scaled_dot_product_attention(*lv, is_causal=True)
-            ref.backward(do)
-        ours = run_once(design, configs, tensors)
-        refs = [ref.detach(), *(t.grad for t in lv)][: len(ours)]
-        diffs = {f"full_size_{n}_rel_diff_vs_cudnn": ((x.float() - r.float()).norm() / r.float().norm()).item()
-                 for n, x, r in zip(("o", "dq", "dk", "dv"), ours, refs)}
-        write(dict(design=design, kernel="check_full_size", configs=configs, status="ok", **diffs))
-
-    print(f"\n{'design':<18} {'ms':>8} {'TFLOP/s':>8}  config  (total {time.time() - t0:.0f} s)")
-    for design, (ms, configs) in sorted(best.items()):
-        kernel = design.split("/")[0]
-        print(f"{design:<18} {ms:8.3f} {flops(kernel) / ms / 1e9:8.1f}  {configs}")
+    print(f"\n{'plan':<8} {'design':<18} {'ms':>8} {'TFLOP/s':>8}  config  (total {time.time() - t0:.0f} s)")
+    for plan_name, design, ms, tf, configs in summary:
+        print(f"{plan_name:<8} {design:<18} {ms:8.3f} {tf:8.1f}  {configs}")
 
 
 if __name__ == "__main__":
