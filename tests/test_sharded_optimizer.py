@@ -1,0 +1,192 @@
+"""ShardedOptimizer on the CPU with Gloo: two spawned ranks must end where the unsharded optimizer does.
+
+One launch of two ranks (module fixture) runs every scenario and returns each rank's final weights
+and its shard; the tests compare with the plain optimizer run in this process. Without DDP every
+rank sees the same batch, so sharded and unsharded runs do the same arithmetic per parameter and
+must agree bit for bit; with DDP (half a batch per rank) they agree to float64 rounding.
+
+Input checks run in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.distributed.ddp import DDPBucketed
+from cs336_systems.distributed.launch import launch
+from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from tests import adapters
+
+WORLD_SIZE = 2
+STEPS = 5
+BATCH = 8
+TOL = dict(rtol=1e-10, atol=1e-12)
+SCENARIOS = ("groups", "add_group", "ddp_sgd", "one_param")
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 4, bias=False)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(torch.relu(self.fc1(x)))) + self.frozen
+
+
+def make_model(scenario: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(10, 4, bias=False) if scenario == "one_param" else ToyModel()
+    return model.double()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(BATCH, 10, generator=g, dtype=torch.float64), torch.randn(BATCH, 4, generator=g, dtype=torch.float64))
+        for _ in range(STEPS)
+    ]
+
+
+def build_optimizer(scenario: str, model: nn.Module, make):
+    """`make(params, optimizer_cls, **kwargs)`: the plain constructor or the sharded one."""
+    if scenario == "groups":
+        return make(
+            [
+                {"params": model.fc1.parameters(), "lr": 3e-2, "weight_decay": 0.1},
+                {"params": [*model.norm.parameters(), model.fc2.weight]},
+            ],
+            torch.optim.AdamW,
+            lr=1e-2,
+            weight_decay=0.01,
+            betas=(0.8, 0.95),
+        )
+    if scenario == "add_group":
+        return make([model.fc2.weight], torch.optim.AdamW, lr=1e-2)
+    if scenario == "ddp_sgd":
+        return make(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    return make(model.parameters(), torch.optim.AdamW, lr=1e-2)
+
+
+def plain(params, optimizer_cls, **kwargs):
+    return optimizer_cls(params, **kwargs)
+
+
+def train(scenario: str, make, rank: int = 0, world_size: int = 1, ddp: bool = False) -> tuple[nn.Module, object]:
+    """The scenario's training loop; with `ddp`, each rank trains on its slice of every batch."""
+    model = make_model(scenario)
+    net = DDPBucketed(model, 1e-4) if ddp else model
+    optimizer = build_optimizer(scenario, model, make)
+    per_rank = BATCH // world_size
+    for step, (x, y) in enumerate(batches()):
+        if ddp:
+            x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        if step == 2 and scenario == "groups":
+            optimizer.param_groups[1]["lr"] = 2e-3  # a schedule changes a group's lr mid-run
+        if step == 2 and scenario == "add_group":  # unfreeze more of the model mid-run
+            optimizer.add_param_group({"params": [*model.fc1.parameters(), *model.norm.parameters()], "lr": 5e-3})
+        optimizer.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        if ddp:
+            net.finish_gradient_synchronization()
+        optimizer.step()
+    return model, optimizer
+
+
+def sharded_worker(ctx) -> dict:
+    out = {}
+    for scenario in SCENARIOS:
+        model, optimizer = train(
+            scenario, adapters.get_sharded_optimizer, ctx.rank, ctx.world_size, ddp=scenario == "ddp_sgd"
+        )
+        names = {id(p): n for n, p in model.named_parameters()}
+        local = optimizer.local_optimizer
+        out[scenario] = {
+            "final": {k: v.clone() for k, v in model.state_dict().items()},
+            "owned": sorted(names[id(p)] for p in optimizer.owned_parameters()),
+            "state_for": sorted(names[id(p)] for p in local.state) if local is not None else [],
+            "shard_numel": list(optimizer.shard_numel),
+            "n_params_in_groups": sum(len(g["params"]) for g in optimizer.param_groups),
+            "has_local_optimizer": local is not None,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_results() -> list[dict]:
+    return launch(sharded_worker, WORLD_SIZE, backend="gloo", timeout_s=180, num_threads=1)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_sharded_matches_unsharded(sharded_results, scenario):
+    model, _ = train(scenario, plain)
+    expected = model.state_dict()
+    init = make_model(scenario).state_dict()
+    assert any(not torch.equal(init[k], expected[k]) for k in expected)
+    for rank, results in enumerate(sharded_results):
+        for name, value in results[scenario]["final"].items():
+            torch.testing.assert_close(value, expected[name], **TOL, msg=f"rank {rank}: {scenario} {name}")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_each_parameter_has_one_owner_and_state_lives_there(sharded_results, scenario):
+    model = make_model(scenario)
+    given = {n: p for n, p in model.named_parameters() if scenario in ("ddp_sgd", "one_param") or p.requires_grad}
+    owned = [set(r[scenario]["owned"]) for r in sharded_results]
+    assert set.union(*owned) == set(given) and sum(map(len, owned)) == len(given)
+    for results, mine in zip(sharded_results, owned):
+        # Optimizer state only for this rank's shard (and only where a gradient arrived: not `frozen`).
+        assert set(results[scenario]["state_for"]) == {n for n in mine if given[n].requires_grad}
+        assert results[scenario]["n_params_in_groups"] == len(given)  # param_groups list the whole model
+        numel = results[scenario]["shard_numel"]
+        assert sum(numel) == sum(p.numel() for p in given.values())
+        assert max(numel) - min(numel) <= max(p.numel() for p in given.values())  # balanced by size
+    if scenario == "one_param":
+        assert [r[scenario]["has_local_optimizer"] for r in sharded_results] == [True, False]
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("bad", [object, torch.nn.Linear, lambda params, **kw: None, "SGD"])
+def test_optimizer_cls_must_be_an_optimizer_class(bad):
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        ShardedOptimizer(nn.Linear(2, 2).parameters(), bad, lr=0.1)
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_parameters(single_rank_group):
+    with pytest.raises(ValueError, match="meta"):
+        ShardedOptimizer(nn.Linear(2, 2, device="meta").parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="empty"):
+        ShardedOptimizer([], torch.optim.SGD, lr=0.1)
+    layer = nn.Linear(2, 2)
+    optimizer = ShardedOptimizer([layer.weight], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="more than one"):
+        optimizer.add_param_group({"params": [layer.weight]})
+    with pytest.raises(NotImplementedError, match="shard"):
+        optimizer.state_dict()
+
+
+def test_single_rank_owns_everything(single_rank_group):
+    model, optimizer = train("groups", adapters.get_sharded_optimizer)
+    expected, _ = train("groups", plain)
+    assert len(optimizer.owned_parameters()) == 5
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected.state_dict()[name], **TOL)
