@@ -1,9 +1,26 @@
 """Without a GPU the Triton kernels run through Triton's interpreter: the variable must be set
-before `cs336_systems.flash_triton` defines them, so it is set here, before any test imports."""
+before `cs336_systems.flash_triton` defines them, so it is set here, before any test imports.
+
+Tests marked `gpu` need a CUDA device and are skipped without one.
+"""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,5 +1,7 @@
 """`cs336-bench`: benchmark sweeps for CS336 assignment 2 that record every measurement to JSONL.
 
-Subcommands live one per module (attention, model, flash, leaderboard, autotune, report); the shared
-timing and recording code is in `record`. Entry point: `cs336_systems.bench.cli:main`.
+One module per problem (attention, model, flash, leaderboard, overhead, autotune, resources), each
+with its options, its sweep and its renderer; `cli` registers them, `impls` maps implementation names
+to callables, `record` writes the rows, `timing` measures, `report` holds the rendering toolkit and
+`options` the shared argument handling. Entry point: `cs336_systems.bench.cli:main`.
 """

@@ -11,7 +11,7 @@ from Triton's on-disk autotuning cache (TRITON_CACHE_AUTOTUNING=1) get from_disk
 "(tuning call)" row per shape records the wall time of the tuning forward + backward.
 
 `--wide KERNEL ...` tunes the named kernels over a wide grid instead of their shipped configs
-(`WIDE_TILES` x warps `WIDE_WARPS` x pipeline stages `WIDE_STAGES`), to look for configs worth
+(each `KernelSpec.wide_tiles` x warps `WIDE_WARPS` x pipeline stages `WIDE_STAGES`), to look for configs worth
 shipping; the shape's rows carry variant "wide: <kernels>". Configs that cannot launch (too much
 shared memory) are timed by the autotuner as inf and kept in the record.
 """
@@ -19,46 +19,52 @@ shared memory) are timed by the autotuner as inf and kept in the record.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from cs336_systems.bench import options, report
+from cs336_systems.bench.options import add_sized, head_dim, positive_int
+from cs336_systems.bench.report import Output, Row
 
-from cs336_systems.bench.record import DTYPES, Recorder, dtype_from_name, progress, resolve, synchronize
+if TYPE_CHECKING:
+    from cs336_systems.bench.record import Recorder
 
 NAME = "autotune"
 TUNING_CALL = "(tuning call)"  # `kernel` of the row timing the whole tuning forward + backward
 HELP = "run the Triton autotuner on given shapes and record the chosen config and every config's time"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096 16384)")
-    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 16 32 64 128)")
-    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None, help="dtypes (default bf16)")
-    p.add_argument("--batch", type=int, default=1, help="batch size")
-    p.add_argument("--n-heads", type=int, default=None, help="heads (default 16; 1 in smoke runs)")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
-    p.add_argument(
-        "--wide", nargs="+", choices=list(WIDE_TILES), default=None, metavar="KERNEL",
-        help=f"tune these kernels over a wide config grid instead of the shipped configs ({', '.join(WIDE_TILES)})",
-    )
-
-
-# (Q_TILE_SIZE, K_TILE_SIZE) per kernel for --wide; every pair runs with each warp count and stage count.
-WIDE_TILES = {
-    "flash_fwd": ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128)),
-    "flash_bwd_dkdv": ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128)),
-    "flash_bwd_dq": ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)),
-}
 WIDE_WARPS = (4, 8)
 WIDE_STAGES = (2, 3, 4, 5)
 WIDE = "wide"  # the rows' variant when --wide is given
+FIELDS = {"kernel": str, "dtype": str, "batch": int, "n_heads": int, "seq_len": int, "d_head": int,
+          "is_causal": bool}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_sized(p, "--seq", full=[1024, 4096, 16384], smoke=[64], help="sequence lengths", type=positive_int,
+              nargs="+")
+    add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=head_dim, nargs="+")
+    add_sized(p, "--dtype", full=["bf16"], smoke=["fp32"], help="dtypes", choices=options.DTYPE_NAMES, nargs="+")
+    add_sized(p, "--n-heads", full=16, smoke=1, help="heads", type=positive_int)
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
+    p.add_argument(
+        "--wide", nargs="+", default=None, metavar="KERNEL",
+        help="tune these kernels (names of cs336_systems.flash_triton.KERNELS) over a wide config grid "
+             "instead of the shipped configs",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    from cs336_systems.flash_triton import KERNELS
+
+    options.choices_check("--wide", args.wide or [], KERNELS)
 
 
 def wide_configs(name: str) -> list:
-    """The wide grid for one kernel.
+    """The wide grid for one kernel: its `wide_tiles` x WIDE_WARPS x WIDE_STAGES.
 
     Under the interpreter: one config, the pinned 16 x 16 tiles with 2 stages (which the interpreter
     ignores), so that a CPU test can tell it from the shipped kernels' pinned 1-stage config.
@@ -176,39 +182,31 @@ def _timing_fields(t) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
+    import torch
+
     import cs336_systems.flash_triton as flash_triton
+    from cs336_systems.bench.timing import synchronize, torch_dtype
 
-    kernels = getattr(flash_triton, "AUTOTUNED_KERNELS", None)
-    if not kernels:
-        print(
-            "autotune: cs336_systems.flash_triton does not export AUTOTUNED_KERNELS "
-            "(dict of kernel name -> triton Autotuner); nothing to inspect."
-        )
-        return 2
+    kernels = flash_triton.AUTOTUNED_KERNELS
     device = rec.device
-    seqs = resolve(args, "seq", [1024, 4096, 16384], [64])
-    dims = resolve(args, "d", [16, 32, 64, 128], [16])
-    dtypes = resolve(args, "dtype", ["bf16"], ["fp32"])
-    n_heads = resolve(args, "n_heads", 16, 1)
-
     wide = sorted(args.wide or [])
-    shapes = [(dt, d, s) for dt in dtypes for d in dims for s in seqs]
-    for dtype_name, d, seq in progress(shapes, args, NAME):
+    shapes = [(dt, d, s) for dt in args.dtype for d in args.d for s in args.seq]
+    for dtype_name, d, seq in options.progress(shapes, args, NAME):
         fields = dict(
-            impl="flash_triton", mode="fwd_bwd", dtype=dtype_name, batch=args.batch, n_heads=n_heads,
+            impl="flash_triton", mode="fwd_bwd", dtype=dtype_name, batch=args.batch, n_heads=args.n_heads,
             seq_len=seq, d_head=d, is_causal=args.causal,
         )
         if wide:
             fields["variant"] = f"{WIDE}: {' '.join(wide)}"
-        if rec.is_done(fields):
+        if rec.is_done({**fields, "kernel": TUNING_CALL}):
             continue
         events: list[dict[str, Any]] = []
 
         def tune() -> dict[str, Any]:
             """One forward + backward; its wall time is the autotuning cost of this shape."""
-            dtype = dtype_from_name(dtype_name)
             q, k, v = (
-                torch.randn(args.batch, n_heads, seq, d, device=device, dtype=dtype, requires_grad=True)
+                torch.randn(args.batch, args.n_heads, seq, d, device=device, dtype=torch_dtype(dtype_name),
+                            requires_grad=True)
                 for _ in range(3)
             )
             start = time.perf_counter()
@@ -230,3 +228,79 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             seen.add(ident)
             rec.measure({**fields, "kernel": event["kernel"]}, lambda e=event: event_metrics(e))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _cells(r: Row, fields: tuple[str, ...]) -> list[Any]:
+    return ["–" if r.get(f) is None else r.get(f) for f in fields]
+
+
+def _wide_label(r: Row, kernel: str) -> str:
+    """' wide' where this kernel tuned over the --wide grid, ' (wide run)' where another kernel did."""
+    if not r.get("variant"):
+        return ""
+    return " wide" if kernel in r["variant"].split() else " (wide run)"
+
+
+def render(rows: list[Row], out: Output) -> list[str]:
+    rows = report.latest(rows)
+    shape = ("dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal")
+    if any(r.get("variant") for r in rows):  # --wide runs beside the shipped configs' runs
+        shape = (*shape, "variant")
+    calls = [r for r in rows if r["kernel"] == TUNING_CALL]
+    kernels = [r for r in rows if r["kernel"] != TUNING_CALL]
+    sections = [
+        "## Tuning calls (one forward + backward per shape)\n\n"
+        + report.markdown([*shape, "status", "wall s", "launches"], [
+            [*_cells(r, shape), r["status"], report.fmt_num(r.get("tune_wall_s")), r.get("n_launches", "–")]
+            for r in report.sort_rows(calls, shape)
+        ]),
+        "## Chosen configs\n\n"
+        + report.markdown([*shape, "kernel", "tuned", "tuning key", "best config", "best ms", "configs tried",
+                           "bench s"], [
+            [*_cells(r, shape), r["kernel"], r.get("tuned"), " ".join(r.get("tuning_key") or []) or "–",
+             r.get("best_config") if r["status"] == "ok" else r["status"], report.fmt_num(r.get("ms")),
+             r.get("n_tried", "–"), report.fmt_num(r.get("bench_time_s"))]
+            for r in report.sort_rows(kernels, (*shape, "kernel"))
+        ]),
+    ]
+    detail = []
+    for r in report.sort_rows(kernels, (*shape, "kernel")):
+        if r.get("configs"):
+            detail.append(
+                f"### {r['kernel']}, {report.subtitle(shape, tuple(r.get(f) for f in shape))}\n\n"
+                + report.markdown(["config", "ms", "p20", "p80", "x best"], [
+                    [c["config"], report.fmt_num(c.get("ms")), report.fmt_num(c.get("ms_p20")),
+                     report.fmt_num(c.get("ms_p80")),
+                     f"{c['ms'] / r['ms']:.2f}" if r.get("ms") and c.get("ms") and math.isfinite(c["ms"]) else "–"]
+                    for c in r["configs"]
+                ])
+            )
+    if detail:
+        sections.append("## Every config tried\n\n" + "\n\n".join(detail))
+    _plot(kernels, shape, out)
+    return sections
+
+
+def _plot(kernels: list[Row], shape: tuple[str, ...], out: Output) -> None:
+    names = report.distinct(kernels, "kernel")
+    fig, axes = report.new_figure(max(len(names), 1), cols=1, height=3.4)
+    for ax, name in zip(axes, names):
+        sel = report.sort_rows([r for r in kernels if r["kernel"] == name and r["status"] == "ok"], shape)
+        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + _wide_label(r, name) for r in sel]
+        for i, r in enumerate(sel):
+            tried = [c["ms"] for c in r.get("configs") or [] if c.get("ms") and math.isfinite(c["ms"])]
+            if tried and r.get("ms"):
+                ax.scatter([i] * len(tried), [t / r["ms"] for t in tried], s=10, alpha=0.6, color="#1f77b4",
+                           label="a config tried" if i == 0 else None)
+            ax.scatter([i], [1.0], marker="*", s=60, color="#d62728", label="chosen" if i == 0 else None)
+        ax.set_xticks(range(len(sel)), labels, rotation=60, ha="right", fontsize=7)
+        report.speedup_axis(ax, "time / chosen config's")
+        ax.set_title(f"{name} (lower is better)", fontsize=10)
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
+    out.save(fig, "autotune_configs", "autotune: every config's time relative to the chosen one")

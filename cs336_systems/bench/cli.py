@@ -1,8 +1,18 @@
-"""`cs336-bench <problem>`: one subcommand per benchmarking problem, plus `report` and `resources`.
+"""`cs336-bench <problem>`: one subcommand per benchmarking problem, plus `report`.
 
-Every problem appends rows to `<out>/<problem>/metrics.jsonl` (see `record.py`); `report` renders
-tables and plots from those files only. `resources` needs no GPU: it compiles the kernels for a CUDA
-target and records what ptxas reports.
+A problem is a module with
+    NAME, HELP              subcommand name and one-line help (its docstring is the long help)
+    add_arguments(p)        its own options (`options.add_sized` for sizes with --smoke defaults)
+    run(args, rec) -> int   the sweep; appends rows through the `record.Recorder` it is given
+    render(rows, out)       markdown sections of its table.md; plots saved through `report.Output`
+and optionally
+    check(args)             raise ValueError on a bad combination of options (-> usage error, exit 2)
+    NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none")
+    FIELDS, OK_FIELDS       {field: type} every row / every ok row must have for `render` (the report
+                            skips other rows with a warning)
+Problem modules import torch only inside their functions, so that `--help` stays instant. Plugging a
+new problem in is one entry in `PROBLEMS`. Every subcommand takes --out, --resume, --smoke and
+--no-progress; bad sizes are usage errors (exit 2) before anything is measured or written.
 """
 
 from __future__ import annotations
@@ -12,13 +22,13 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
-import torch
+from cs336_systems.bench import attention, autotune, flash, leaderboard, model, options, overhead, report, resources
 
-from cs336_systems.bench import attention, autotune, flash, leaderboard, model, report, resources
-from cs336_systems.bench.record import Recorder, add_common_args
-
-PROBLEMS = {m.NAME: m for m in (attention, model, flash, leaderboard, autotune)}
+PROBLEMS: dict[str, ModuleType] = {
+    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources)
+}
 DEFAULT_OUT = Path("runs")
 
 
@@ -37,27 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cs336-bench",
         description="Benchmarks for CS336 assignment 2 (attention, end-to-end model, FlashAttention-2).",
     )
-    commands = [*PROBLEMS, "report", resources.NAME]
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join([*PROBLEMS, report.NAME]) + "}")
     for name, module in PROBLEMS.items():
-        p = sub.add_parser(
-            name,
-            help=module.HELP,
-            description=module.__doc__,
-            formatter_class=HelpFormatter,
-        )
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__, formatter_class=HelpFormatter)
         module.add_arguments(p)
-        add_common_args(p)
-    p = sub.add_parser("report", help=report.HELP, description=report.__doc__, formatter_class=HelpFormatter)
+        options.add_common_args(p)
+        p.set_defaults(usage_error=p.error)
+    p = sub.add_parser(report.NAME, help=report.HELP, description=report.__doc__, formatter_class=HelpFormatter)
     report.add_arguments(p)
-    p = sub.add_parser(resources.NAME, help=resources.HELP, description=resources.__doc__,
-                       formatter_class=HelpFormatter)
-    resources.add_arguments(p)
     return parser
 
 
-def select_device(smoke: bool) -> torch.device | None:
+def select_device(smoke: bool):
     """CUDA when present; the CPU (with the Triton interpreter) only for --smoke; None means refuse."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.device("cuda")
     if not smoke:
@@ -75,30 +79,41 @@ def select_device(smoke: bool) -> torch.device | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "report":
-        return report.run(args)
-    if args.command == resources.NAME:  # compiles for a target; no device involved
-        return run_problem(resources, args, Recorder(args.out, resources.NAME, torch.device("cpu"), args.resume))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == report.NAME:
+        return report.run(args, PROBLEMS)
+    module = PROBLEMS[args.command]
+    options.resolve_sized(args)
 
-    device = select_device(args.smoke)
-    if device is None:
-        print(
-            f"cs336-bench {args.command}: no CUDA device available. These benchmarks need a GPU; "
-            "pass --smoke for a tiny CPU-only end-to-end check (timings meaningless).",
-            file=sys.stderr,
-        )
-        return 2
+    device = None
+    if getattr(module, "NEEDS_DEVICE", True):
+        device = select_device(args.smoke)
+        if device is None:
+            print(
+                f"cs336-bench {args.command}: no CUDA device available. These benchmarks need a GPU; "
+                "pass --smoke for a tiny CPU-only end-to-end check (timings meaningless).",
+                file=sys.stderr,
+            )
+            return 2
+    check = getattr(module, "check", None)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as e:
+            args.usage_error(str(e))  # exits with code 2
+
     out = args.out
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="cs336-bench-smoke-")) if args.smoke else DEFAULT_OUT
-    recorder = Recorder(out, args.command, device, resume=args.resume)
+    from cs336_systems.bench.record import Recorder
+
+    try:
+        recorder = Recorder(out, args.command, device, resume=args.resume, smoke=args.smoke)
+    except OSError as e:
+        print(f"cs336-bench {args.command}: cannot write results under {out}: {e}", file=sys.stderr)
+        return 2
     print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} out={recorder.path}")
-    return run_problem(PROBLEMS[args.command], args, recorder)
-
-
-def run_problem(module, args: argparse.Namespace, recorder: Recorder) -> int:
-    """Run one problem's sweep; exit code 1 if any row recorded an error."""
     rc = module.run(args, recorder) or 0
     print(recorder.summary())
     if rc == 0 and any(k.startswith("error") for k in recorder.counts):

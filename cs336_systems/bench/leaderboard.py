@@ -7,37 +7,39 @@ Exactly the course's test, per implementation:
     triton.testing.do_bench(f, rep=10000, warmup=1000)
 The harness prints do_bench's mean, recorded as `ms_mean`; `ms` is the median of the same samples.
 Mode fwd_bwd is the harness; mode fwd times `flash(q, k, v, True)` alone. The same harness (not
-compiled) runs SDPA's flash and cuDNN backends on the (1, 16, 16384, 64) view of the same tensors,
-and the ratios ours/theirs are printed at the end.
-Variants: the keys of `cs336_systems.flash_ablation.ABLATION_VARIANTS` (rows: impl=flash_triton), plus
-"naive" (materialized reference) and "flash_pytorch" (tiled PyTorch forward; run uncompiled, since
-dynamo would unroll its Python tile loops), or "all". CPU smoke runs call our Triton variants uncompiled
-too (dynamo cannot trace Triton-interpreter kernels); every row records `compiled`.
+compiled) runs SDPA's flash and cuDNN backends on the (1, H, S, D) view of the same tensors, and the
+speedups of ours over them (same run) are printed at the end. `--seq 1024 --n-heads 16` gives the
+short-sequence run.
+Variants: the keys of `cs336_systems.flash_ablation.ABLATION_VARIANTS` (rows: impl=flash_triton,
+`variant_index` their order, `shipped` on the last one), "naive" (materialized reference, compiled)
+and "flash_pytorch" (tiled PyTorch forward, run uncompiled: dynamo would unroll its Python tile loops),
+or "all". CPU smoke runs call our variants uncompiled (dynamo cannot trace Triton-interpreter kernels);
+every row records `compiled`, the do_bench rep/warmup, the device and the fp32 matmul precision.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+from cs336_systems.bench import impls, options, report
+from cs336_systems.bench.options import add_sized, head_dim, positive_float, positive_int
+from cs336_systems.bench.record import key_of
+from cs336_systems.bench.report import Output, Row
 
-from cs336_systems.bench.record import (
-    DTYPES,
-    Recorder,
-    add_compile_backend_arg,
-    attention_flops,
-    default_compile_backend,
-    dtype_from_name,
-    progress,
-    summarize_ms,
-    time_calls,
-)
+if TYPE_CHECKING:
+    from cs336_systems.bench.record import Recorder
 
 NAME = "leaderboard"
 HELP = "the course's leaderboard harness (B=1, H=16, S=16384, D=64, bf16, causal) over variants and SDPA"
 MODES = ("fwd_bwd", "fwd")
 EXTRA_VARIANTS = ("naive", "flash_pytorch")
 SDPA_REFERENCES = ("sdpa_flash", "sdpa_cudnn")
+# The ablation order of rows written before rows carried `variant_index` (the last was shipped).
+LEGACY_ABLATION = ("fwd_triton_bwd_compiled", "bwd_triton", "causal_skip", "autotune")
+FIELDS = {"mode": str, "dtype": str, "variant": str, "n_heads": int, "seq_len": int, "d_head": int,
+          "is_causal": bool, "rep_ms": (int, float), "warmup_ms": (int, float)}
+OK_FIELDS = {"ms": (int, float), "ms_mean": (int, float)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,84 +47,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variant",
         action="append",
         default=None,
-        help="ABLATION_VARIANTS key, naive, flash_pytorch, or all (repeatable; default the final variant)",
+        help="ABLATION_VARIANTS key, naive, flash_pytorch, or all (repeatable; default: the shipped variant)",
     )
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA flash / cuDNN reference rows")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="harness (fwd_bwd) and forward only")
-    p.add_argument("--rep-ms", type=float, default=None, help="do_bench rep (default 10000, the course's)")
-    p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warmup (default 1000, the course's)")
-    p.add_argument("--n-heads", type=int, default=None, help="default 16")
-    p.add_argument("--seq", type=int, default=None, help="default 16384")
-    p.add_argument("--d", type=int, default=None, help="default 64")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 (fp32 in CPU smoke runs)")
-    add_compile_backend_arg(p)
+    add_sized(p, "--rep-ms", full=10000, smoke=100, help="do_bench rep, ms (the course's)", type=positive_float)
+    add_sized(p, "--warmup-ms", full=1000, smoke=25, help="do_bench warmup, ms (the course's)", type=positive_float)
+    add_sized(p, "--n-heads", full=16, smoke=2, help="heads", type=positive_int)
+    add_sized(p, "--seq", full=16384, smoke=64, help="sequence length", type=positive_int)
+    add_sized(p, "--d", full=64, smoke=16, help="head dim", type=head_dim)
+    p.add_argument("--dtype", choices=options.DTYPE_NAMES, default=None,
+                   help="Q/K/V dtype (default: bf16; fp32 on the CPU, which has no bf16 dots in the interpreter)")
+    options.add_compile_backend_arg(p)
 
 
-def resolve_variants(requested: list[str] | None, available: list[str]) -> list[str]:
-    """Variant names in a stable order; the default is the final (shipped) ablation variant."""
-    choices = [*available, *EXTRA_VARIANTS]
-    if not requested:
-        return [available[-1]]
-    if "all" in requested:
-        return choices
-    unknown = [v for v in requested if v not in choices]
-    if unknown:
-        raise SystemExit(f"leaderboard: unknown variant(s) {unknown}; choose from {choices} or 'all'")
-    return list(dict.fromkeys(requested))
+def check(args: argparse.Namespace) -> None:
+    choices = [*impls.ablation_variants(), *EXTRA_VARIANTS, "all"]
+    options.choices_check("--variant", args.variant or [], choices)
 
 
-def harness_bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
-    """do_bench(fn, rep, warmup) as the course calls it (no grad_to_none), keeping every sample."""
-    if device.type != "cuda":
-        return time_calls(fn, device, iters=1, warmup=1)
-    import triton.testing
-
-    return summarize_ms(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
+def entries(requested: list[str] | None, on_cuda: bool, with_sdpa: bool) -> list[Row]:
+    """Row fields (impl, variant, compiled, ...) and registry name of each implementation to time, in order."""
+    variants = impls.ablation_variants()
+    wanted = [variants[-1]] if not requested else [*variants, *EXTRA_VARIANTS] if "all" in requested else requested
+    out = []
+    for v in dict.fromkeys(wanted):
+        if v in variants:  # the course's torch.compile(Impl.apply); not under the interpreter
+            out.append(dict(impl=impls.SHIPPED, variant=v, compiled=on_cuda, variant_index=variants.index(v),
+                            shipped=v == variants[-1],
+                            registry=f"{impls.ABLATION_PREFIX}{v}" + ("_compiled" if on_cuda else "")))
+        else:
+            compiled = v == "naive"
+            out.append(dict(impl=v, variant=v, compiled=compiled, registry=v + ("_compiled" if compiled else "")))
+    if with_sdpa:
+        out += [dict(impl=ref, variant=ref, compiled=False, registry=ref) for ref in SDPA_REFERENCES]
+    return out
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
-    from cs336_systems.flash_ablation import ABLATION_VARIANTS
+    import torch
+
+    from cs336_systems.bench.timing import attention_flops, harness_bench, torch_dtype
 
     device = rec.device
-    smoke_cpu = device.type != "cuda"
-    n_heads = args.n_heads or (2 if args.smoke else 16)
-    seq = args.seq or (64 if args.smoke else 16384)
-    d = args.d or (16 if args.smoke else 64)
-    dtype_name = args.dtype or ("fp32" if smoke_cpu else "bf16")
-    rep_ms = args.rep_ms if args.rep_ms is not None else (100 if args.smoke else 10000)
-    warmup_ms = args.warmup_ms if args.warmup_ms is not None else (25 if args.smoke else 1000)
-    backend = default_compile_backend(args, device)
-    dtype = dtype_from_name(dtype_name)
-
-    variants = resolve_variants(args.variant, list(ABLATION_VARIANTS))
-    entries = [(v, "flash_triton" if v in ABLATION_VARIANTS else v) for v in variants]
-    if not args.no_sdpa:
-        entries += [(ref, ref) for ref in SDPA_REFERENCES]
-
-    combos = [(variant, impl, mode) for variant, impl in entries for mode in args.modes]
+    on_cuda = device.type == "cuda"
+    dtype_name = args.dtype or ("bf16" if on_cuda else "fp32")
+    backend = options.compile_backend(args, on_cuda)
+    shape = dict(dtype=dtype_name, batch=1, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d, is_causal=True,
+                 rep_ms=args.rep_ms, warmup_ms=args.warmup_ms)
     rows = []
-    built: dict[str, object] = {}  # the current variant's callable, compiled once for all its modes
+    for entry in options.progress(entries(args.variant, on_cuda, not args.no_sdpa), args, NAME):
+        registry = entry.pop("registry")
+        if entry["compiled"]:
+            entry["compile_backend"] = backend
+        todo = [m for m in args.modes if not rec.is_done({**shape, **entry, "mode": m})]
+        built: dict = {}
 
-    def harness_fn(variant: str, impl: str, compiled: bool):
-        if variant not in built:
-            built.clear()
-            built[variant] = attention_fn(variant, impl, compiled, seq, dtype_name, device, backend)
-        return built[variant]
-
-    for variant, impl, mode in progress(combos, args, NAME):
-        # Dynamo cannot trace Triton-interpreter kernels, so CPU smoke runs call our variants uncompiled.
-        compiled = impl == "naive" or (impl == "flash_triton" and not smoke_cpu)
-        fields = dict(
-            impl=impl, variant=variant, mode=mode, dtype=dtype_name, batch=1, n_heads=n_heads, seq_len=seq,
-            d_head=d, is_causal=True, compiled=compiled, rep_ms=rep_ms, warmup_ms=warmup_ms,
-            **({"compile_backend": backend} if compiled else {}),
-        )
-        if rec.is_done(fields):
-            continue
-
-        def measure() -> dict[str, float]:
-            q, k, v = torch.randn(3, n_heads, seq, d, device=device, dtype=dtype, requires_grad=True)
-            fn = harness_fn(variant, impl, compiled)
+        def measure(mode: str) -> dict[str, float]:
+            if "fn" not in built:  # one build (and compile) for both modes; Unsupported becomes a row
+                built["fn"] = impls.build(registry, impls.Setup(device, dtype_name, args.seq, backend))
+            fn = built["fn"]
+            q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype_name),
+                                  requires_grad=True)
             if mode == "fwd_bwd":
 
                 def f():
@@ -135,54 +121,131 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 def f():
                     fn(q, k, v, True)
 
-            return harness_bench(f, device, warmup_ms, rep_ms)
+            return harness_bench(f, device, args.warmup_ms, args.rep_ms)
 
-        flops = attention_flops(mode, 1, n_heads, seq, d, True)
-        rows.append(rec.measure(fields, measure, flops=flops))
-    print_ratios(rows)
+        for mode in todo:
+            flops = attention_flops(mode, 1, args.n_heads, args.seq, args.d, True)
+            rows.append(rec.measure({**shape, **entry, "mode": mode}, lambda: measure(mode), flops=flops))
+    print_speedups(rows)
     return 0
 
 
-def attention_fn(variant: str, impl: str, compiled: bool, seq: int, dtype_name: str, device, backend: str):
-    """The callable fn(q, k, v, is_causal) -> o the harness times, on (H, S, D) tensors."""
-    from cs336_systems.bench.flash import make_sdpa
-
-    if impl in SDPA_REFERENCES:
-        sdpa = make_sdpa(impl, dtype_name, device, is_causal=True)
-        return lambda q, k, v, is_causal: sdpa(q[None], k[None], v[None])[0]
-    if impl == "naive":
-        import cs336_basics.model as basics_model
-
-        mask = basics_model.causal_mask(seq, seq, device=device)
-
-        def apply(q, k, v, is_causal):
-            return basics_model.scaled_dot_product_attention(q, k, v, mask=mask if is_causal else None)
-
-    elif impl == "flash_pytorch":
-        from cs336_systems.flash_pytorch import FlashAttention2Pytorch
-
-        apply = FlashAttention2Pytorch.apply
-    else:
-        from cs336_systems.flash_ablation import ABLATION_VARIANTS
-
-        apply = ABLATION_VARIANTS[variant].apply
-    if not compiled:
-        return apply
-    torch._dynamo.reset()
-    return torch.compile(apply, backend=backend)
-
-
-def print_ratios(rows: list[dict]) -> None:
-    """Print ms (median), harness mean and ours/theirs ratios of this run's ok rows."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
+def print_speedups(rows: list[Row]) -> None:
+    """This run's ok rows: median, harness mean, and the SDPA references' mean / ours."""
+    done = [r for r in rows if r.get("status") == "ok"]
+    if not done:
         return
-    print(f"\n{'variant':<28} {'mode':<8} {'median ms':>10} {'mean ms':>10}  ratios (mean / reference mean)")
-    refs = {(r["variant"], r["mode"]): r for r in ok if r["impl"] in SDPA_REFERENCES}
-    for r in ok:
-        ratios = [
-            f"/{ref}={r['ms_mean'] / refs[(ref, r['mode'])]['ms_mean']:.2f}x"
+    print(f"\n{'variant':<28} {'mode':<8} {'median ms':>10} {'mean ms':>10}  speedup (reference mean / mean)")
+    refs = {(r["variant"], r["mode"]): r for r in done if r["impl"] in SDPA_REFERENCES}
+    for r in done:
+        speedups = [
+            f"vs {ref}={refs[(ref, r['mode'])]['ms_mean'] / r['ms_mean']:.2f}x"
             for ref in SDPA_REFERENCES
             if (ref, r["mode"]) in refs and r["impl"] not in SDPA_REFERENCES
         ]
-        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {' '.join(ratios)}")
+        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {' '.join(speedups)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def order(r: Row) -> tuple:
+    """Ablation variants in order, then naive / flash_pytorch, then the SDPA references; then settings."""
+    if r["impl"] in SDPA_REFERENCES:
+        rank = (2, SDPA_REFERENCES.index(r["impl"]))
+    elif r.get("variant_index") is not None:
+        rank = (0, r["variant_index"])
+    elif r["variant"] in LEGACY_ABLATION:
+        rank = (0, LEGACY_ABLATION.index(r["variant"]))
+    else:
+        rank = (1, r["variant"])
+    return (*rank, -r["rep_ms"], str(r.get("time")))
+
+
+def shipped(r: Row) -> bool:
+    return r.get("shipped", r["variant"] == LEGACY_ABLATION[-1])
+
+
+def name(r: Row) -> str:
+    return "ours (shipped)" if shipped(r) else report.impl_label(r["variant"])
+
+
+def label(r: Row) -> str:
+    return f"{name(r)} [rep {r['rep_ms']:g}, {r.get('commit')}]"
+
+
+def color(r: Row) -> str:
+    if r["impl"] == impls.SHIPPED and not shipped(r):
+        return "#9ecae1"  # earlier ablation steps: a light shade of ours
+    return report.impl_color(r["impl"])
+
+
+def render(rows: list[Row], out: Output) -> list[str]:
+    sections = []
+    fields = report.SHAPE_FIELDS
+    for key, group, modes in report.by_shape(rows, MODES):
+        lines = sorted({key_of(r, ("variant", "rep_ms", "warmup_ms", "run_id")): r for r in group}.values(),
+                       key=order)
+        body = []
+        for first in lines:
+            same = dict(variant=first["variant"], rep_ms=first["rep_ms"], warmup_ms=first["warmup_ms"],
+                        run_id=first["run_id"])
+            line = [name(first), first.get("compiled"), f"{first['rep_ms']:g}/{first['warmup_ms']:g}",
+                    first.get("commit")]
+            for mode in modes:
+                r = report.pick(group, mode=mode, **same)
+                line += [report.ms_cell(r), report.field_cell("ms_mean")(r), report.field_cell("tflops")(r)]
+                if first["impl"] not in SDPA_REFERENCES:
+                    line += [report.ratio_cell(r, report.pick(group, mode=mode, variant=ref, run_id=first["run_id"]),
+                                               "ms_mean") for ref in SDPA_REFERENCES]
+                else:
+                    line += ["", ""]
+            body.append(line)
+        headers = ["implementation", "compiled", "do_bench rep/warmup ms", "commit"]
+        for mode in modes:
+            headers += [f"{mode} median ms", f"{mode} mean ms (harness)", f"{mode} TFLOP/s",
+                        *(f"{mode} speedup vs {report.impl_label(ref)}" for ref in SDPA_REFERENCES)]
+        sections.append(
+            f"## Leaderboard harness, {report.subtitle(fields, key)}\n\n"
+            "one line per implementation and do_bench setting (its latest run); speedups are the SDPA "
+            "reference's harness mean / this line's, both from the same run (above 1× = faster than SDPA)\n\n"
+            + report.markdown(headers, body)
+        )
+        _plot(group, modes, out, key, fields)
+    return sections
+
+
+def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: tuple) -> None:
+    from matplotlib.patches import Patch
+
+    fig, axes = report.new_figure(len(modes), cols=1, height=0.45 * len(group) / max(len(modes), 1) + 1.6)
+    for ax, mode in zip(axes, modes):
+        bars = sorted((r for r in group if r["mode"] == mode and report.ok(r)), key=order)
+        ys = list(range(len(bars)))
+        ms = [r["ms"] for r in bars]
+        err = [[r["ms"] - r.get("ms_p20", r["ms"]) for r in bars], [r.get("ms_p80", r["ms"]) - r["ms"] for r in bars]]
+        ax.barh(ys, ms, xerr=err, color=[color(r) for r in bars], capsize=2,
+                hatch=["//" if r["impl"] in SDPA_REFERENCES else "" for r in bars], edgecolor="white")
+        for y, r in zip(ys, bars):
+            ax.text(r["ms"] * 1.04, y, f"{r['ms']:.2f}", va="center", fontsize=8)
+        first_ref = next((i for i, r in enumerate(bars) if r["impl"] in SDPA_REFERENCES), None)
+        if first_ref:
+            ax.axhline(first_ref - 0.5, color="black", lw=0.6, ls="--")
+        ax.set_yticks(ys, [label(r) for r in bars], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        if ms:
+            ax.set_xlim(min(ms) / 1.5, max(ms) * 2.5)
+        ax.set_xlabel("ms (median, p20–p80; log scale; lower is better)")
+        ax.set_title({"fwd_bwd": "forward + backward (the harness)", "fwd": "forward only"}[mode], fontsize=10)
+        legend = [Patch(color=report.impl_color(impls.SHIPPED), label="ours (shipped)"),
+                  Patch(color="#9ecae1", label="earlier ablation steps")]
+        legend += [Patch(facecolor=report.impl_color(x), hatch="//", edgecolor="white", label=report.impl_label(x))
+                   for x in SDPA_REFERENCES]
+        legend += [Patch(color=report.impl_color(x), label=report.impl_label(x)) for x in EXTRA_VARIANTS
+                   if any(r["impl"] == x for r in bars)]
+        ax.legend(handles=legend, fontsize=8, loc="lower right")
+        ax.grid(True, axis="x", alpha=0.3)
+    out.save(fig, report.slug("leaderboard", *key), f"leaderboard harness, {report.subtitle(fields, key)}")

@@ -7,9 +7,9 @@ after each) of each mode:
   bwd      backward of the loss only (the forward runs untimed before each step)
   fwd_bwd  forward + loss + backward
   step     forward + loss + backward + AdamW step (zero_grad included)
-Rows record mean +- std ms, tokens/s and peak memory (max_memory_allocated since a reset). With
-`--attention flash` the model's module-global `scaled_dot_product_attention` is swapped for the
-Triton `flash_attention(q, k, v, is_causal=True)`.
+Rows record mean +- std ms, tokens/s and peak memory (max_memory_allocated since a reset, MiB). With
+`--attention NAME` the model's module-global `scaled_dot_product_attention` is swapped for the `impls`
+registry's NAME (e.g. flash_triton, our kernel; "flash" is kept as its old alias).
 """
 
 from __future__ import annotations
@@ -17,62 +17,63 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
-import torch
+from cs336_systems.bench import impls, options, report
+from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
+from cs336_systems.bench.report import Output, Row
 
-from cs336_systems.bench.record import (
-    Recorder,
-    add_compile_backend_arg,
-    default_compile_backend,
-    progress,
-    resolve,
-    time_calls,
-)
+if TYPE_CHECKING:
+    from cs336_systems.bench.record import Recorder
 
 NAME = "model"
 HELP = "end-to-end Transformer LM fwd / bwd / fwd_bwd / train-step timing and memory, eager vs compiled"
 MODES = ("fwd", "bwd", "fwd_bwd", "step")
 SIZES = ("small", "medium", "large", "xl", "2.7B")
-ATTENTION_IMPLS = {"naive": "naive", "flash": "flash_triton"}
+ALIASES = {"flash": impls.SHIPPED}
 COMPILE_CHOICES = {"both": (False, True), "eager": (False,), "compiled": (True,)}
 SMOKE_SIZE = "smoke"
+FIELDS = {"mode": str, "dtype": str, "batch": int, "model_size": str, "context_length": int, "compiled": bool}
+OK_FIELDS = {"ms": (int, float)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", nargs="+", choices=[*SIZES, SMOKE_SIZE], default=None, help="model sizes (default all)")
-    p.add_argument("--context", type=int, nargs="+", default=None, help="context lengths (default 512)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
-    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size")
+    add_sized(p, "--sizes", full=list(SIZES), smoke=[SMOKE_SIZE], help="model sizes", nargs="+",
+              choices=[*SIZES, SMOKE_SIZE])
+    add_sized(p, "--context", full=[512], smoke=[32], help="context lengths", type=positive_int, nargs="+")
+    add_sized(p, "--batch", full=4, smoke=2, help="batch size", type=positive_int)
+    add_sized(p, "--warmup", full=5, smoke=1, help="untimed warm-up steps per mode", type=nonnegative_int)
+    add_sized(p, "--steps", full=10, smoke=2, help="timed steps per mode", type=positive_int)
+    p.add_argument("--vocab", type=positive_int, default=10_000, help="vocabulary size")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what one timed step does")
     p.add_argument("--compile", choices=list(COMPILE_CHOICES), default="both", help="eager, compiled, or both")
-    p.add_argument(
-        "--attention", nargs="+", choices=list(ATTENTION_IMPLS), default=["naive"], help="attention impl(s) used"
-    )
-    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per mode (default 5)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 10)")
+    p.add_argument("--attention", nargs="+", default=["naive"], metavar="IMPL",
+                   help="attention implementation(s), names of the impls registry ('flash' = flash_triton)")
     p.add_argument(
         "--dtype",
         choices=["fp32", "bf16"],
         default="fp32",
         help="fp32 weights; bf16 = torch.autocast(bfloat16) around forward and loss",
     )
-    add_compile_backend_arg(p)
+    options.add_compile_backend_arg(p)
+
+
+def check(args: argparse.Namespace) -> None:
+    args.attention = [ALIASES.get(a, a) for a in args.attention]
+    options.choices_check("--attention", args.attention, impls.names())
 
 
 @contextmanager
-def attention_impl(name: str) -> Iterator[None]:
-    """Swap `cs336_basics.model.scaled_dot_product_attention` (looked up at call time) for the duration."""
+def attention_impl(attn) -> Iterator[None]:
+    """Swap `cs336_basics.model.scaled_dot_product_attention` (looked up at call time) for `attn`."""
     import cs336_basics.model as basics_model
 
     original = basics_model.scaled_dot_product_attention
-    if name == "flash":
-        from cs336_systems.flash_triton import flash_attention
 
-        def flash_sdpa(Q, K, V, mask=None):
-            # The model only ever passes its causal mask.
-            return flash_attention(Q, K, V, is_causal=mask is not None)
+    def swapped(Q, K, V, mask=None):
+        return attn(Q, K, V, mask is not None)  # the model only ever passes its causal mask
 
-        basics_model.scaled_dot_product_attention = flash_sdpa
+    basics_model.scaled_dot_product_attention = swapped
     try:
         yield
     finally:
@@ -88,47 +89,33 @@ def model_config(size: str):
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
+    import torch
+
     from cs336_basics.model import BasicsTransformerLM
     from cs336_basics.nn_utils import cross_entropy
     from cs336_basics.optimizer import AdamW
+    from cs336_systems.bench.timing import time_calls
 
     device = rec.device
-    sizes = resolve(args, "sizes", list(SIZES), [SMOKE_SIZE])
-    contexts = resolve(args, "context", [512], [32])
-    batch = resolve(args, "batch", 4, 2)
-    warmup = resolve(args, "warmup", 5, 1)
-    steps = resolve(args, "steps", 10, 2)
-    backend = default_compile_backend(args, device)
+    backend = options.compile_backend(args, device.type == "cuda")
     autocast = (
         torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     )
-
     combos = [
         (size, ctx, attn, compiled)
-        for size in sizes
-        for ctx in contexts
+        for size in args.sizes
+        for ctx in args.context
         for attn in args.attention
         for compiled in COMPILE_CHOICES[args.compile]
     ]
-    for size, ctx, attn, compiled in progress(combos, args, NAME):
+    for size, ctx, attn_name, compiled in options.progress(combos, args, NAME):
         config = model_config(size)
         fields = {
             mode: dict(
-                impl=ATTENTION_IMPLS[attn],
-                mode=mode,
-                dtype=args.dtype,
-                batch=batch,
-                n_heads=config.num_heads,
-                seq_len=ctx,
-                d_head=config.d_model // config.num_heads,
-                is_causal=True,
-                model_size=size,
-                context_length=ctx,
-                compiled=compiled,
-                warmup_steps=warmup,
-                steps=steps,
-                d_model=config.d_model,
-                num_layers=config.num_layers,
+                impl=attn_name, mode=mode, dtype=args.dtype, batch=args.batch, n_heads=config.num_heads,
+                seq_len=ctx, d_head=config.d_model // config.num_heads, is_causal=True, model_size=size,
+                context_length=ctx, compiled=compiled, warmup_steps=args.warmup, steps=args.steps,
+                d_model=config.d_model, num_layers=config.num_layers,
                 **({"compile_backend": backend} if compiled else {}),
             )
             for mode in args.modes
@@ -136,7 +123,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         todo = [m for m in args.modes if not rec.is_done(fields[m])]
         if not todo:
             continue
-        if compiled and attn == "flash" and device.type != "cuda":
+        if compiled and impls.uses_triton(attn_name) and device.type != "cuda":
             for mode in todo:
                 rec.skip(fields[mode], "unsupported", error="dynamo cannot trace Triton-interpreter kernels (CPU)")
             continue
@@ -155,8 +142,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 state.update(
                     model=model,
                     n_params=sum(p.numel() for p in model.parameters()),
-                    x=torch.randint(0, args.vocab, (batch, ctx), device=device),
-                    y=torch.randint(0, args.vocab, (batch, ctx), device=device),
+                    x=torch.randint(0, args.vocab, (args.batch, ctx), device=device),
+                    y=torch.randint(0, args.vocab, (args.batch, ctx), device=device),
                 )
             return state
 
@@ -168,17 +155,18 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             state["model"].zero_grad(set_to_none=True)
 
         def time_mode(mode: str) -> dict:
+            timing = dict(device=device, iters=args.steps, warmup=args.warmup)
             if mode == "fwd":
-                return time_calls(loss_fn, device, iters=steps, warmup=warmup)
+                return time_calls(loss_fn, **timing)
             if mode == "bwd":
 
                 def forward():
                     zero_grad()
                     state["loss"] = loss_fn()
 
-                return time_calls(lambda: state["loss"].backward(), device, iters=steps, warmup=warmup, before=forward)
+                return time_calls(lambda: state["loss"].backward(), before=forward, **timing)
             if mode == "fwd_bwd":
-                return time_calls(lambda: loss_fn().backward(), device, iters=steps, warmup=warmup, before=zero_grad)
+                return time_calls(lambda: loss_fn().backward(), before=zero_grad, **timing)
             if "optimizer" not in state:
                 state["optimizer"] = AdamW(state["model"].parameters(), lr=1e-4)
             optimizer = state["optimizer"]
@@ -188,7 +176,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 loss_fn().backward()
                 optimizer.step()
 
-            return time_calls(train_step, device, iters=steps, warmup=warmup)
+            return time_calls(train_step, **timing)
 
         def measure(mode: str) -> dict:
             setup()
@@ -200,11 +188,118 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             return {
                 **stats,
                 "n_params": state["n_params"],
-                "tokens_per_s": batch * ctx / (stats["ms_mean"] * 1e-3),
+                "tokens_per_s": args.batch * ctx / (stats["ms_mean"] * 1e-3),
             }
 
+        attn = impls.build(attn_name, impls.Setup(device, args.dtype, ctx, backend))
         with attention_impl(attn):
             for mode in todo:
                 rec.measure(fields[mode], lambda: measure(mode))
         state.clear()
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def render(rows: list[Row], out: Output) -> list[str]:
+    rows = report.latest(rows)
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    variants = [(c, "compiled" if c else "eager") for c in report.distinct(rows, "compiled")]
+    setup = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
+    by_setup = report.group_by(rows, setup)
+    warmups = report.distinct(rows, "warmup_steps")
+    # Step-time tables and plots: per setup the most warmed-up run; fewer warm-up steps only in their own table.
+    steady = [max(g, key=lambda r: r.get("warmup_steps") or 0) for _, g in by_setup]
+    index = ["model_size", "context_length", "impl", "dtype", "batch"]
+    if len(report.distinct(steady, "warmup_steps")) > 1:
+        index.append("warmup_steps")
+    columns = [(f"{mode} {label}", report.where(mode=mode, compiled=c)) for mode in modes for c, label in variants]
+    extra = []
+    if len(variants) == 2:
+        extra = [
+            (f"compile speedup {mode}",
+             lambda p, m=mode: report.ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean"))
+            for mode in modes
+        ]
+    sections = []
+    if len(warmups) > 1:
+        warm_rows = [r for _, g in by_setup if len(report.distinct(g, "warmup_steps")) > 1 for r in g]
+        sections.append(
+            "## Warm-up effect (ms: mean ± std over timed steps; first timed step in brackets)\n\n"
+            + report.pivot(
+                warm_rows, ["model_size", "context_length", "impl", "dtype", "compiled", "mode"],
+                [(f"warmup {w}", report.where(warmup_steps=w)) for w in warmups], _mean_std_first_cell,
+            )
+        )
+    sections += [
+        "## Step time (ms, mean ± std over timed steps)\n\n"
+        + report.pivot(steady, index, columns, report.mean_std_cell, extra),
+        "## Throughput (tokens/s, from the mean step time)\n\n"
+        + report.pivot(steady, index, columns, report.field_cell("tokens_per_s")),
+        "## Peak memory (MiB, max_memory_allocated over the mode's steps)\n\n"
+        + report.pivot(steady, index, columns, report.field_cell("peak_mem_mb")),
+    ]
+    _size_plots(steady, modes, variants, out)
+    _context_plots(steady, modes, out)
+    return sections
+
+
+def _size_plots(steady: list[Row], modes: list[str], variants: list[tuple[bool, str]], out: Output) -> None:
+    import numpy as np
+
+    fields = ("context_length", "impl", "dtype")
+    for key, group in report.group_by(steady, fields):
+        sizes = report.distinct(group, "model_size")
+        if len(sizes) < 2 and len(report.distinct(group, "compiled")) < 2:
+            continue  # one bar per mode: the context-sweep plot shows it
+        fig, axes = report.new_figure(len(modes))
+        width = 0.8 / max(len(variants), 1)
+        for ax, mode in zip(axes, modes):
+            heights = []
+            for i, (c, label) in enumerate(variants):
+                picked = [report.pick(group, model_size=size, mode=mode, compiled=c) for size in sizes]
+                ys = [r.get("ms_mean", r["ms"]) if report.ok(r) else 0.0 for r in picked]
+                errs = [(r.get("ms_std") or 0.0) if report.ok(r) else 0.0 for r in picked]
+                ax.bar(np.arange(len(sizes)) + i * width, ys, width, yerr=errs, label=label, capsize=2,
+                       color="#4c72b0" if c else "#c0c0c0")
+                heights += ys
+            ax.set_xticks(np.arange(len(sizes)) + width * (len(variants) - 1) / 2, [str(s) for s in sizes])
+            report.log_if_spread(ax, heights)
+            ax.set_ylabel("ms per step (mean ± std)")
+            ax.set_title(f"{mode} (lower is better)", fontsize=10)
+            ax.legend(fontsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+        out.save(fig, report.slug("model", *key), f"model step time by size, {report.subtitle(fields, key)}")
+
+
+def _context_plots(steady: list[Row], modes: list[str], out: Output) -> None:
+    fields = ("model_size", "dtype")
+    for key, group in report.group_by(steady, fields):
+        swept = [m for m in modes if len(report.distinct([r for r in group if r["mode"] == m], "context_length")) > 1]
+        if not swept:
+            continue
+        fig, axes = report.new_figure(2 * len(swept))
+        for i, mode in enumerate(swept):
+            sel = [r for r in group if r["mode"] == mode]
+            for ax, (field, ylabel, what) in zip(axes[2 * i:2 * i + 2], (("ms_mean", "ms per step", "time"),
+                                                                        ("peak_mem_mb", "peak MiB", "peak memory"))):
+                report.line_plot(ax, sel, "context_length", _series, lambda r, f=field: r.get(f),
+                                 color=lambda r: report.impl_color(r["impl"] + ("_compiled" if r["compiled"] else "")),
+                                 label=str)
+                report.log_axes(ax, "context length", ylabel)
+                ax.set_title(f"{mode} {what}", fontsize=10)
+        out.save(fig, report.slug("model_context", *key), f"model context sweep, {report.subtitle(fields, key)}")
+
+
+def _mean_std_first_cell(r: Row | None) -> str:
+    cell = report.mean_std_cell(r)
+    if report.ok(r) and r.get("first_ms") is not None:
+        cell += f" ({report.fmt_num(r['first_ms'])})"
+    return cell
+
+
+def _series(r: Row) -> str:
+    return f"{report.impl_label(r['impl'])} {'compiled' if r['compiled'] else 'eager'}"

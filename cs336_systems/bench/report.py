@@ -1,7 +1,12 @@
 """report: render `<out>/<problem>/table.md` and PNG plots from each problem's metrics.jsonl.
 
-Only the JSONL files are read. Rows sharing a measurement key keep the latest ok row (else the
-latest row, so OOM / unsupported / error cells still show). Non-ok cells print their status.
+Only the JSONL files are read. Each problem module renders its own rows (`render(rows, out)`); this
+module is the shared toolkit (row validation, latest rows, pivots, markdown, plot helpers, one colour
+and label per implementation) and the loop over problems. Rows sharing a measurement key keep the
+latest ok row (else the latest row, so OOM / unsupported / error cells still show); non-ok cells print
+their status. Rows of different devices (and --smoke rows) are never mixed: each device gets its own
+section, and its plots a file-name suffix after the first device's. Rows that do not match the
+problem's schema are skipped with a warning; the other rows and problems still render.
 """
 
 from __future__ import annotations
@@ -11,47 +16,133 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from cs336_systems.bench.record import KEY_FIELDS, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, Row, key_of, read_rows
 
+NAME = "report"
 HELP = "render table.md and PNG plots from <out>/<problem>/metrics.jsonl"
-PROBLEM_ORDER = ("attention", "model", "flash", "leaderboard", "autotune", "resources")
 SIZE_ORDER = ("smoke", "small", "medium", "large", "xl", "2.7B")
-IMPL_ORDER = (
-    "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-)
-Row = dict[str, Any]
+IMPL_STYLE = {  # name -> (label in tables and legends, colour): the same in every figure
+    "naive": ("naive", "#7f7f7f"),
+    "naive_compiled": ("naive (compiled)", "#3f3f3f"),
+    "flash_pytorch": ("flash (PyTorch)", "#9467bd"),
+    "flash_triton": ("ours", "#1f77b4"),
+    "flash_triton_compiled": ("ours (compiled)", "#17becf"),
+    "flash_triton_cudagraphs": ("ours (CUDA graphs)", "#aec7e8"),
+    "sdpa_flash": ("SDPA flash (FA2)", "#ff7f0e"),
+    "sdpa_cudnn": ("SDPA cuDNN", "#2ca02c"),
+    "sdpa_efficient": ("SDPA mem-efficient", "#d62728"),
+    "sdpa_math": ("SDPA math", "#8c564b"),
+}
+IMPL_ORDER = tuple(IMPL_STYLE)
+EXTRA_COLORS = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39")
+NUMBER = (int, float)
+# Optional numeric fields: when present they must be numbers (or null).
+NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
+BASE_FIELDS = {"status": str, "impl": str}
+FIGURE_WIDTH = 10.0  # inches: two panels per row fill a page
+PANEL_HEIGHT = 3.6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs"), help="output root holding <problem>/metrics.jsonl")
-    p.add_argument("--problems", nargs="+", default=None, help="problems to render (default: all found)")
+    p.add_argument("--problems", nargs="+", default=None,
+                   help="problems to render (default: every <problem>/metrics.jsonl found)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
+    """Render every requested problem; exit code 1 when a requested problem has no rows."""
     import matplotlib
 
     matplotlib.use("Agg")
-    found = [d.name for d in sorted(args.out.glob("*")) if (d / "metrics.jsonl").exists()]
-    problems = args.problems or sorted(
-        found, key=lambda p: (PROBLEM_ORDER.index(p) if p in PROBLEM_ORDER else len(PROBLEM_ORDER), p)
+    order = list(problems)
+    found = sorted(
+        (d.name for d in args.out.glob("*") if (d / "metrics.jsonl").exists()),
+        key=lambda p: (order.index(p) if p in order else len(order), p),
     )
-    if not problems:
-        print(f"report: no <problem>/metrics.jsonl under {args.out}", file=sys.stderr)
-        return 1
-    for problem in problems:
+    requested = args.problems or found
+    missing = []
+    for problem in requested:
         path = args.out / problem / "metrics.jsonl"
-        rows = read_rows(path)
+        module = problems.get(problem)
+        rows = valid_rows(read_rows(path), module, path)
         if not rows:
-            print(f"report: {path} is missing or empty", file=sys.stderr)
+            print(f"report: no valid rows in {path}", file=sys.stderr)
+            missing.append(problem)
             continue
-        render = RENDERERS.get(problem, render_generic)
-        sections, plots = render(rows, args.out / problem)
+        render = module.render if module is not None else render_generic
+        sections, plots = [], []
+        devices = group_by_device(rows)
+        for i, (label, device_rows) in enumerate(devices):
+            out = Output(args.out / problem, "" if i == 0 else slug("", label))
+            body = render(device_rows, out)
+            if len(devices) > 1:
+                body = [f"## Device: {label}"] + [demote(s) for s in body]
+            sections += body
+            plots += out.saved
         table = args.out / problem / "table.md"
         table.write_text(header(problem, rows) + "\n\n".join(sections) + "\n")
         print(f"report: {table}" + "".join(f"\n        {p}" for p in plots))
+    if missing:
+        print(f"report: nothing to render for {', '.join(missing)}", file=sys.stderr)
+        return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Row validation and device separation
+# ---------------------------------------------------------------------------------------------
+
+
+def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and kind in (int, NUMBER):
+        return False
+    return isinstance(value, kind)
+
+
+def problem_of_row(row: Row, module: ModuleType | None) -> str | None:
+    """Why `row` cannot be rendered (missing or mistyped field), or None when it can."""
+    fields = {**BASE_FIELDS, **getattr(module, "FIELDS", {})}
+    if row.get("status") == "ok":
+        fields.update(getattr(module, "OK_FIELDS", {}))
+    for field, kind in fields.items():
+        if field not in row:
+            return f"missing {field!r}"
+        if not type_ok(row[field], kind):
+            return f"{field!r} is {row[field]!r}"
+    for field in NUMERIC_FIELDS:
+        if row.get(field) is not None and not type_ok(row[field], NUMBER):
+            return f"{field!r} is {row[field]!r}, not a number"
+    return None
+
+
+def valid_rows(rows: list[Row], module: ModuleType | None, path: Path) -> list[Row]:
+    kept = []
+    for r in rows:
+        reason = problem_of_row(r, module)
+        if reason is None:
+            kept.append(r)
+        else:
+            print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
+    return kept
+
+
+def device_label(r: Row) -> str:
+    return f"{r.get('gpu')}" + (" --smoke" if r.get("smoke") or r.get("timings_meaningless") else "")
+
+
+def group_by_device(rows: list[Row]) -> list[tuple[str, list[Row]]]:
+    """Rows per device label: real measurements first (most rows first), --smoke rows last."""
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(device_label(r), []).append(r)
+    return sorted(groups.items(), key=lambda kv: (kv[0].endswith("--smoke"), -len(kv[1]), kv[0]))
+
+
+def demote(section: str) -> str:
+    return "\n".join("#" + line if line.startswith("#") else line for line in section.split("\n"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +190,12 @@ def fmt_num(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-def ms_cell(r: Row | None) -> str:
-    return status_cell(r) or fmt_num(r["ms"])
+def field_cell(field: str) -> Callable[[Row | None], str]:
+    """Cell showing `field` of an ok row, or the row's status."""
+    return lambda r: status_cell(r) or fmt_num(r.get(field))
+
+
+ms_cell = field_cell("ms")
 
 
 def mean_std_cell(r: Row | None) -> str:
@@ -112,16 +207,17 @@ def mean_std_cell(r: Row | None) -> str:
 
 
 def ratio_cell(num: Row | None, den: Row | None, field: str = "ms") -> str:
-    if not (ok(num) and ok(den)) or not num.get(field):
+    """den / num as "1.23×" (a speedup of `num` over `den`), "–" unless both completed."""
+    if not (ok(num) and ok(den)) or not num.get(field) or den.get(field) is None:
         return "–"
-    return f"{den[field] / num[field]:.2f}x"
+    return f"{den[field] / num[field]:.2f}×"
 
 
 def sort_value(field: str, value: Any) -> tuple:
     order = {"model_size": SIZE_ORDER, "impl": IMPL_ORDER}.get(field)
     if order and value in order:
         return (0, order.index(value), "")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, NUMBER) and not isinstance(value, bool):
         return (1, value, "")
     return (2, 0, str(value))
 
@@ -131,15 +227,33 @@ def sort_rows(rows: Iterable[Row], fields: Sequence[str]) -> list[Row]:
 
 
 def distinct(rows: Iterable[Row], field: str) -> list[Any]:
-    values = {r.get(field) for r in rows}
+    values = {key_of(r, (field,))[0] for r in rows}
     return sorted(values, key=lambda v: sort_value(field, v))
 
 
 def group_by(rows: Iterable[Row], fields: Sequence[str]) -> list[tuple[tuple, list[Row]]]:
     groups: dict[tuple, list[Row]] = {}
     for r in sort_rows(rows, fields):
-        groups.setdefault(tuple(r.get(f) for f in fields), []).append(r)
+        groups.setdefault(key_of(r, fields), []).append(r)
     return list(groups.items())
+
+
+SHAPE_FIELDS = ("dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal")
+
+
+def by_shape(rows: Iterable[Row], modes: Sequence[str]) -> list[tuple[tuple, list[Row], list[str]]]:
+    """The latest rows grouped by attention shape (`SHAPE_FIELDS`), with the `modes` each group has."""
+    return [(key, group, [m for m in modes if any(r["mode"] == m for r in group)])
+            for key, group in group_by(latest(rows), SHAPE_FIELDS)]
+
+
+def where(**conditions: Any) -> Callable[[Row], bool]:
+    return lambda r: all(r.get(k) == v for k, v in conditions.items())
+
+
+def pick(rows: list[Row], **conditions: Any) -> Row | None:
+    """The last row matching every condition."""
+    return next((r for r in reversed(rows) if where(**conditions)(r)), None)
 
 
 def markdown(headers: Sequence[str], body: Iterable[Sequence[Any]]) -> str:
@@ -171,6 +285,7 @@ def header(problem: str, rows: list[Row]) -> str:
     for r in rows:
         s = str(r.get("status")).split(":")[0]
         statuses[s] = statuses.get(s, 0) + 1
+    times = sorted(str(r.get("time")) for r in rows)
     lines = [
         f"# {problem}",
         "",
@@ -178,15 +293,16 @@ def header(problem: str, rows: list[Row]) -> str:
         + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))
         + ").",
         "",
-        f"- gpu: {values('gpu')}",
-        f"- torch: {values('torch')}; triton: {values('triton')}",
+        f"- device: {', '.join(label for label, _ in group_by_device(rows))}",
+        f"- torch: {values('torch')}; triton: {values('triton')}; "
+        f"fp32 matmul precision: {values('matmul_precision').replace('None', 'not recorded')}",
         f"- commit: {values('commit')}",
-        f"- runs: {len({r.get('run_id') for r in rows})} ({values('time').split(', ')[0]} ... "
-        f"{values('time').split(', ')[-1]})",
+        f"- runs: {len({r.get('run_id') for r in rows})} ({times[0]} ... {times[-1]})",
     ]
-    if any(r.get("timings_meaningless") for r in rows):
-        lines.append("- **some rows come from CPU smoke runs: their timings are meaningless**")
-    lines.append("- times in ms; cells show OOM / unsupported / error where a measurement did not complete")
+    if any(r.get("smoke") or r.get("timings_meaningless") for r in rows):
+        lines.append("- **some rows come from --smoke runs (tiny sizes, maybe the CPU): kept in their own section**")
+    lines.append("- times in ms, memory in MiB; cells show OOM / unsupported / error where a measurement did "
+                 "not complete")
     return "\n".join(lines) + "\n\n"
 
 
@@ -194,39 +310,70 @@ def subtitle(fields: Sequence[str], key: tuple) -> str:
     return ", ".join(f"{f}={v}" for f, v in zip(fields, key))
 
 
+def impl_label(name: str) -> str:
+    return IMPL_STYLE[name][0] if name in IMPL_STYLE else name
+
+
+def impl_color(name: str) -> str:
+    if name in IMPL_STYLE:
+        return IMPL_STYLE[name][1]
+    return EXTRA_COLORS[sum(map(ord, name)) % len(EXTRA_COLORS)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Plot helpers
 # ---------------------------------------------------------------------------------------------
 
 
-def new_figure(n_panels: int, width: float = 5.5, height: float = 4.2):
+def slug(*parts: Any) -> str:
+    return "_".join(str(p).replace(".", "p").replace("/", "-").replace(" ", "") for p in parts)
+
+
+class Output:
+    """Where one problem's plots for one device go: `<dir>/<name><suffix>.png`."""
+
+    def __init__(self, directory: Path, suffix: str = "") -> None:
+        self.dir = directory
+        self.suffix = suffix
+        self.saved: list[Path] = []
+
+    def save(self, fig, name: str, title: str) -> Path:
+        import matplotlib.pyplot as plt
+
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        path = self.dir / f"{name}{self.suffix}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        self.saved.append(path)
+        return path
+
+
+def new_figure(n_panels: int, cols: int = 2, height: float = PANEL_HEIGHT):
+    """A page-wide figure of `n_panels` axes, `cols` per row."""
     import matplotlib.pyplot as plt
 
-    cols = min(n_panels, 4)
+    cols = max(1, min(n_panels, cols))
     rows = math.ceil(n_panels / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    width = FIGURE_WIDTH if cols > 1 else FIGURE_WIDTH * 0.6
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height * rows), squeeze=False)
     flat = list(axes.flat)
     for ax in flat[n_panels:]:
         ax.set_visible(False)
     return fig, flat[:n_panels]
 
 
-def save(fig, path: Path, title: str) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def line_plot(ax, rows: list[Row], x: str, series: Callable[[Row], str], y: Callable[[Row], float | None]) -> None:
+def line_plot(
+    ax, rows: list[Row], x: str, series: Callable[[Row], str], y: Callable[[Row], float | None],
+    color: Callable[[Row], str] | None = None, label: Callable[[str], str] = impl_label,
+) -> None:
     """One line per series over ok rows; the legend notes where a series hits OOM."""
     points: dict[str, list[tuple[float, float]]] = {}
+    colors: dict[str, str | None] = {}
     oom_from: dict[str, float] = {}
     for r in rows:
         name = series(r)
+        colors.setdefault(name, color(r) if color else None)
         if r.get("status") == "oom" and r.get(x) is not None:
             oom_from[name] = min(oom_from.get(name, math.inf), r[x])
             points.setdefault(name, [])
@@ -236,381 +383,57 @@ def line_plot(ax, rows: list[Row], x: str, series: Callable[[Row], str], y: Call
             points.setdefault(name, []).append((r[x], value))
     for name, pts in points.items():
         pts.sort()
-        label = f"{name} (OOM from {oom_from[name]:g})" if name in oom_from else name
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        text = label(name) + (f" (OOM from {oom_from[name]:g})" if name in oom_from else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, label=text, color=colors[name])
     if points:
-        ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
 
 
-def log_axes(ax, xlabel: str, ylabel: str) -> None:
-    """Log-log axes (base 2 in x); an axes with no data points says so instead."""
+def has_data(ax) -> bool:
+    return any(len(line.get_xdata()) for line in ax.lines) or bool(ax.patches)
+
+
+def log_axes(ax, xlabel: str, ylabel: str, log_y: bool = True) -> None:
+    """Log-2 x axis (sizes), log y where values span decades; an empty axes says so instead."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if not any(len(line.get_xdata()) for line in ax.lines):
+    if not has_data(ax):
         ax.text(0.5, 0.5, "no completed measurements", ha="center", va="center", transform=ax.transAxes)
         return
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-
-
-def slug(*parts: Any) -> str:
-    return "_".join(str(p).replace(".", "p").replace("/", "-").replace(" ", "") for p in parts)
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-problem renderers: (rows, problem dir) -> (markdown sections, plot paths)
-# ---------------------------------------------------------------------------------------------
-
-
-def render_attention(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    rows = latest(rows)
-    sections, plots = [], []
-    group_fields = ("dtype", "batch", "is_causal")
-    impls = distinct(rows, "impl")
-    for key, group in group_by(rows, group_fields):
-        columns = [(f"{impl} {mode}", _is(impl=impl, mode=mode)) for impl in impls for mode in ("fwd", "bwd")]
-        extra = [
-            (f"mem before bwd MB ({impl})", _mem_before_bwd(impl)) for impl in impls
-        ]
-        if "naive" in impls and "naive_compiled" in impls:
-            extra += [
-                (f"compiled speedup {mode}", lambda p, m=mode: ratio_cell(p[f"naive_compiled {m}"], p[f"naive {m}"]))
-                for mode in ("fwd", "bwd")
-            ]
-        sections.append(
-            f"## Attention latency (ms, median over iterations), {subtitle(group_fields, key)}\n\n"
-            + pivot(group, ("d_head", "seq_len"), columns, ms_cell, extra)
-        )
-        fig, axes = new_figure(3)
-        for ax, mode in zip(axes, ("fwd", "bwd")):
-            line_plot(ax, [r for r in group if r["mode"] == mode], "seq_len",
-                      lambda r: f"{r['impl']} d={r['d_head']}", lambda r: r["ms"])
-            log_axes(ax, "sequence length", "ms")
-            ax.set_title(mode)
-        line_plot(axes[2], [r for r in group if r["mode"] == "bwd"], "seq_len",
-                  lambda r: f"{r['impl']} d={r['d_head']}", lambda r: r.get("mem_before_bwd_mb"))
-        log_axes(axes[2], "sequence length", "MB allocated before backward")
-        axes[2].set_title("memory before backward")
-        plots.append(save(fig, out / f"{slug('attention', *key)}.png", f"attention, {subtitle(group_fields, key)}"))
-    return sections, plots
-
-
-def _is(**conditions: Any) -> Callable[[Row], bool]:
-    return lambda r: all(r.get(k) == v for k, v in conditions.items())
-
-
-def _mem_before_bwd(impl: str) -> Callable[[dict[str, Row | None]], str]:
-    def cell(picked: dict[str, Row | None]) -> str:
-        r = picked.get(f"{impl} bwd") or picked.get(f"{impl} fwd")
-        if r is None:
-            return "–"
-        return status_cell(r) or fmt_num(r.get("mem_before_bwd_mb"))
-
-    return cell
-
-
-def render_model(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    import numpy as np
-
-    rows = latest(rows)
-    sections, plots = [], []
-    modes = [m for m in ("fwd", "bwd", "fwd_bwd", "step") if any(r["mode"] == m for r in rows)]
-    variants = [(c, "compiled" if c else "eager") for c in distinct(rows, "compiled")]
-    setup = ("model_size", "context_length", "impl", "dtype", "batch", "compiled", "mode")
-    by_setup = group_by(rows, setup)
-    warmups = distinct(rows, "warmup_steps")
-    # Step-time tables and plots: per setup the most warmed-up run; fewer warm-up steps only in their own table.
-    steady = [max(g, key=lambda r: r.get("warmup_steps") or 0) for _, g in by_setup]
-    index = ["model_size", "context_length", "impl", "dtype", "batch"]
-    if len(distinct(steady, "warmup_steps")) > 1:
-        index.append("warmup_steps")
-    columns = [(f"{mode} {label}", _is(mode=mode, compiled=c)) for mode in modes for c, label in variants]
-    extra = []
-    if len(variants) == 2:
-        extra = [
-            (f"compile speedup {mode}", lambda p, m=mode: ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean"))
-            for mode in modes
-        ]
-    if len(warmups) > 1:
-        warm_rows = [r for _, g in by_setup if len(distinct(g, "warmup_steps")) > 1 for r in g]
-        sections.append(
-            "## Warm-up effect (ms: mean ± std over timed steps; first timed step in brackets)\n\n"
-            + pivot(
-                warm_rows, ["model_size", "context_length", "impl", "dtype", "compiled", "mode"],
-                [(f"warmup {w}", _is(warmup_steps=w)) for w in warmups], _mean_std_first_cell,
-            )
-        )
-    sections += [
-        "## Step time (ms, mean ± std over timed steps)\n\n" + pivot(steady, index, columns, mean_std_cell, extra),
-        "## Throughput (tokens/s, from the mean step time)\n\n"
-        + pivot(steady, index, columns, lambda r: status_cell(r) or fmt_num(r.get("tokens_per_s"))),
-        "## Peak memory (MB, max_memory_allocated over the mode's steps)\n\n"
-        + pivot(steady, index, columns, lambda r: status_cell(r) or fmt_num(r.get("peak_mem_mb"))),
-    ]
-
-    for key, group in group_by(steady, ("context_length", "impl", "dtype")):
-        sizes = distinct(group, "model_size")
-        if len(sizes) < 2 and len(distinct(group, "compiled")) < 2:
-            continue  # one bar per mode: the context-sweep plot below shows it
-        fig, axes = new_figure(len(modes))
-        for ax, mode in zip(axes, modes):
-            width = 0.8 / max(len(variants), 1)
-            for i, (c, label) in enumerate(variants):
-                ys, errs = [], []
-                for size in sizes:
-                    r = _pick(group, model_size=size, mode=mode, compiled=c)
-                    ys.append(r.get("ms_mean", r["ms"]) if ok(r) else 0.0)
-                    errs.append((r.get("ms_std") or 0.0) if ok(r) else 0.0)
-                ax.bar(np.arange(len(sizes)) + i * width, ys, width, yerr=errs, label=label, capsize=2)
-            ax.set_xticks(np.arange(len(sizes)) + width * (len(variants) - 1) / 2, [str(s) for s in sizes])
-            ax.set_ylabel("ms per step (mean ± std)")
-            ax.set_title(mode)
-            ax.legend(fontsize=7)
-            ax.grid(True, axis="y", alpha=0.3)
-        fields = ("context_length", "impl", "dtype")
-        plots.append(save(fig, out / f"{slug('model', *key)}.png", f"model step time, {subtitle(fields, key)}"))
-
-    for key, group in group_by(steady, ("model_size", "dtype")):
-        swept = [m for m in modes if len(distinct([r for r in group if r["mode"] == m], "context_length")) > 1]
-        if not swept:
-            continue
-        fig, axes = new_figure(2 * len(swept))
-        for i, mode in enumerate(swept):
-            sel = [r for r in group if r["mode"] == mode]
-            line_plot(axes[i], sel, "context_length", _model_series, lambda r: r.get("ms_mean", r["ms"]))
-            log_axes(axes[i], "context length", "ms per step")
-            axes[i].set_title(f"{mode} time")
-            line_plot(axes[len(swept) + i], sel, "context_length", _model_series, lambda r: r.get("peak_mem_mb"))
-            log_axes(axes[len(swept) + i], "context length", "peak MB")
-            axes[len(swept) + i].set_title(f"{mode} peak memory")
-        fields = ("model_size", "dtype")
-        plots.append(
-            save(fig, out / f"{slug('model_context', *key)}.png", f"model context sweep, {subtitle(fields, key)}")
-        )
-    return sections, plots
-
-
-def _mean_std_first_cell(r: Row | None) -> str:
-    cell = mean_std_cell(r)
-    if ok(r) and r.get("first_ms") is not None:
-        cell += f" ({fmt_num(r['first_ms'])})"
-    return cell
-
-
-def _model_series(r: Row) -> str:
-    return f"{r['impl']} {'compiled' if r['compiled'] else 'eager'}"
-
-
-def render_flash(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    rows = latest(rows)
-    sections, plots = [], []
-    impls = distinct(rows, "impl")
-    fields = ("dtype", "mode", "batch", "is_causal")
-    for key, group in group_by(rows, fields):
-        columns = [(impl, _is(impl=impl)) for impl in impls]
-        # references with at least one completed row here (SDPA flash / cuDNN have none in fp32)
-        refs = [
-            ref for ref in ("naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
-            if "flash_triton" in impls and any(r["impl"] == ref and ok(r) for r in group)
-        ]
-        extra = [
-            (f"flash_triton speedup vs {ref}", lambda p, ref=ref: ratio_cell(p["flash_triton"], p[ref]))
-            for ref in refs
-        ]
-        if "flash_triton" in impls:
-            extra.append(("flash_triton TFLOP/s", _tflops_cell("flash_triton")))
-        sections.append(
-            f"## Latency (ms, do_bench median), {subtitle(fields, key)}\n\n"
-            + pivot(group, ("d_head", "seq_len"), columns, ms_cell, extra)
-        )
-        dims = distinct(group, "d_head")
-        fig, axes = new_figure(len(dims))
-        for ax, d in zip(axes, dims):
-            line_plot(ax, [r for r in group if r["d_head"] == d], "seq_len", lambda r: r["impl"], lambda r: r["ms"])
-            log_axes(ax, "sequence length", "ms")
-            ax.set_title(f"d={d}")
-        plots.append(save(fig, out / f"{slug('flash_latency', *key[:2])}.png", f"latency, {subtitle(fields, key)}"))
-
-        if refs:
-            fig, axes = new_figure(len(refs))
-            for ax, ref in zip(axes, refs):
-                speedup_rows = []
-                for d in dims:
-                    for seq in distinct(group, "seq_len"):
-                        ours = _pick(group, impl="flash_triton", d_head=d, seq_len=seq)
-                        theirs = _pick(group, impl=ref, d_head=d, seq_len=seq)
-                        if ok(ours) and ok(theirs):
-                            x = theirs["ms"] / ours["ms"]
-                            speedup_rows.append({"status": "ok", "d_head": d, "seq_len": seq, "x": x})
-                line_plot(ax, speedup_rows, "seq_len", lambda r: f"d={r['d_head']}", lambda r: r["x"])
-                log_axes(ax, "sequence length", f"speedup (ms {ref} / ms flash_triton)")
-                ax.axhline(1.0, color="gray", lw=0.8)
-                ax.set_title(f"flash_triton vs {ref}")
-            plots.append(
-                save(fig, out / f"{slug('flash_speedup', *key[:2])}.png", f"speedup, {subtitle(fields, key)}")
-            )
-    return sections, plots
-
-
-def _tflops_cell(impl: str) -> Callable[[dict[str, Row | None]], str]:
-    return lambda picked: status_cell(picked[impl]) or fmt_num(picked[impl].get("tflops"))
-
-
-def _pick(rows: list[Row], **conditions: Any) -> Row | None:
-    return next((r for r in reversed(rows) if all(r.get(k) == v for k, v in conditions.items())), None)
-
-
-def render_leaderboard(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    rows = latest(rows)
-    sections, plots = [], []
-    fields = ("dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal")
-    for key, group in group_by(rows, fields):
-        modes = [m for m in ("fwd_bwd", "fwd") if any(r["mode"] == m for r in group)]
-        body = []
-        entries = list(dict.fromkeys((r["variant"], r["impl"], r.get("compiled")) for r in group))
-        for variant, impl, compiled in entries:
-            first = _pick(group, variant=variant)
-            line = [variant, impl, compiled, f"{fmt_num(first.get('rep_ms'))}/{fmt_num(first.get('warmup_ms'))}"]
-            for mode in modes:
-                r = _pick(group, variant=variant, mode=mode)
-                line += [ms_cell(r), status_cell(r) or fmt_num(r.get("ms_mean")),
-                         status_cell(r) or f"{fmt_num(r['ms_p20'])}–{fmt_num(r['ms_p80'])}",
-                         status_cell(r) or fmt_num(r.get("tflops"))]
-                for ref in ("sdpa_flash", "sdpa_cudnn"):
-                    line.append(ratio_cell(_pick(group, variant=ref, mode=mode), r, "ms_mean")
-                                if impl not in ("sdpa_flash", "sdpa_cudnn") else "")
-            body.append(line)
-        headers = ["variant", "impl", "compiled", "do_bench rep/warmup ms"]
-        for mode in modes:
-            headers += [f"{mode} median ms", f"{mode} mean ms (harness)", f"{mode} p20–p80", f"{mode} TFLOP/s",
-                        f"{mode} ours/sdpa_flash", f"{mode} ours/sdpa_cudnn"]
-        sections.append(
-            f"## Leaderboard harness, {subtitle(fields, key)}\n\n"
-            "ratios are ours / theirs on the harness mean (below 1 = faster than SDPA)\n\n"
-            + markdown(headers, body)
-        )
-        fig, axes = new_figure(len(modes), width=7)
-        for ax, mode in zip(axes, modes):
-            sel = [r for r in group if r["mode"] == mode and ok(r)]
-            labels = [r["variant"] for r in sel]
-            ms = [r["ms"] for r in sel]
-            err = [[r["ms"] - r.get("ms_p20", r["ms"]) for r in sel], [r.get("ms_p80", r["ms"]) - r["ms"] for r in sel]]
-            colors = ["tab:gray" if r["impl"].startswith("sdpa") else "tab:blue" for r in sel]
-            ax.barh(labels, ms, xerr=err, color=colors, capsize=3)
-            for i, v in enumerate(ms):
-                ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
-            ax.set_xlabel("ms (median, p20–p80)")
-            ax.set_title(mode)
-            ax.invert_yaxis()
-        title = f"leaderboard harness, {subtitle(fields, key)}"
-        plots.append(save(fig, out / f"{slug('leaderboard', *key)}.png", title))
-    return sections, plots
-
-
-def _cells(r: Row, fields: Sequence[str]) -> list[Any]:
-    return ["–" if r.get(f) is None else r.get(f) for f in fields]
-
-
-def _wide_label(r: Row, kernel: str) -> str:
-    """' wide' where this kernel tuned over the --wide grid, ' (wide run)' where another kernel did."""
-    if not r.get("variant"):
-        return ""
-    return " wide" if kernel in r["variant"].split() else " (wide run)"
-
-
-def render_autotune(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    from cs336_systems.bench.autotune import TUNING_CALL
-
-    rows = latest(rows, (*KEY_FIELDS, "kernel", "tuning_key"))
-    shape = ("dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal")
-    if any(r.get("variant") for r in rows):  # --wide runs beside the shipped configs' runs
-        shape = (*shape, "variant")
-    calls = [r for r in rows if r.get("kernel") == TUNING_CALL]
-    kernels = [r for r in rows if r.get("kernel") != TUNING_CALL]
-    sections, plots = [], []
-    sections.append(
-        "## Tuning calls (one forward + backward per shape)\n\n"
-        + markdown([*shape, "status", "wall s", "launches"], [
-            [*_cells(r, shape), r["status"], fmt_num(r.get("tune_wall_s")), r.get("n_launches", "–")]
-            for r in sort_rows(calls, shape)
-        ])
-    )
-    sections.append(
-        "## Chosen configs\n\n"
-        + markdown([*shape, "kernel", "tuned", "tuning key", "best config", "best ms", "configs tried", "bench s"], [
-            [*_cells(r, shape), r.get("kernel"), r.get("tuned"), " ".join(r.get("tuning_key") or []) or "–",
-             r.get("best_config") if r["status"] == "ok" else r["status"], fmt_num(r.get("ms")),
-             r.get("n_tried", "–"), fmt_num(r.get("bench_time_s"))]
-            for r in sort_rows(kernels, (*shape, "kernel"))
-        ])
-    )
-    detail = []
-    for r in sort_rows(kernels, (*shape, "kernel")):
-        if r.get("configs"):
-            detail.append(
-                f"### {r['kernel']}, {subtitle(shape, tuple(r.get(f) for f in shape))}\n\n"
-                + markdown(["config", "ms", "p20", "p80", "x best"], [
-                    [c["config"], fmt_num(c.get("ms")), fmt_num(c.get("ms_p20")), fmt_num(c.get("ms_p80")),
-                     f"{c['ms'] / r['ms']:.2f}" if r.get("ms") and c.get("ms") and math.isfinite(c["ms"]) else "–"]
-                    for c in r["configs"]
-                ])
-            )
-    if detail:
-        sections.append("## Every config tried\n\n" + "\n\n".join(detail))
-
-    names = distinct(kernels, "kernel")
-    fig, axes = new_figure(max(len(names), 1), width=7)
-    for ax, name in zip(axes, names):
-        sel = sort_rows([r for r in kernels if r.get("kernel") == name and r["status"] == "ok"], shape)
-        labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + _wide_label(r, name) for r in sel]
-        for i, r in enumerate(sel):
-            tried = [c["ms"] for c in r.get("configs") or [] if c.get("ms") and math.isfinite(c["ms"])]
-            if tried and r.get("ms"):
-                ax.scatter([i] * len(tried), [t / r["ms"] for t in tried], s=10, alpha=0.6, color="tab:blue")
-            ax.scatter([i], [1.0], marker="*", s=60, color="tab:red")
-        ax.set_xticks(range(len(sel)), labels, rotation=60, ha="right", fontsize=7)
+    xs = sorted({float(x) for line in ax.lines for x in line.get_xdata()})
+    ax.set_xticks(xs, [f"{x:g}" if x < 1024 else f"{x / 1024:g}K" for x in xs], fontsize=8)
+    ax.minorticks_off()
+    if log_y:
         ax.set_yscale("log")
-        ax.set_ylabel("config time / chosen config time")
-        ax.set_title(name)
-        ax.grid(True, alpha=0.3)
-    plots.append(save(fig, out / "autotune_configs.png", "autotune: every config's time relative to the chosen one"))
-    return sections, plots
 
 
-def render_resources(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
-    rows = latest(rows)
-    sections = []
-    fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
-    headers = ["kernel", "config (tiles/warps/stages)", "registers", "spill store/load B", "stack B",
-               "shared mem KiB", "warps/SM (registers)", "wgmma"]
-    for key, group in group_by(rows, fields):
-        body = [
-            [r["mode"], r["variant"], r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
-             r["stack_bytes"], fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"], r["wgmma"]]
-            if r.get("status") == "ok" else [r["mode"], r["variant"], r.get("status"), "", "", "", "", ""]
-            for r in group
-        ]
-        sections.append(
-            f"## ptxas resources, {subtitle(fields, key)}\n\n"
-            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers\n\n"
-            + markdown(headers, body)
-        )
-    return sections, []
+def log_if_spread(ax, values: Iterable[float], axis: str = "y", spread: float = 20.0) -> None:
+    """A log scale on `axis` when the positive values span more than `spread` times (else linear)."""
+    positive = [v for v in values if v and v > 0]
+    if positive and max(positive) / min(positive) > spread:
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
 
 
-def render_generic(rows: list[Row], out: Path) -> tuple[list[str], list[Path]]:
+def speedup_axis(ax, ylabel: str = "speedup") -> None:
+    """Log-2 y axis with plain ticks (0.5×, 1×, 2×) and a line at 1×."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_yscale("log", base=2)
+    ys = [y for line in ax.lines for y in line.get_ydata()] or [1.0]
+    low, high = math.floor(math.log2(min(ys + [1.0]))), math.ceil(math.log2(max(ys + [1.0])))
+    ax.set_ylim(2.0 ** low / 1.15, 2.0 ** high * 1.15)
+    ax.yaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(low, high + 1)]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}×"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylabel(ylabel)
+
+
+def render_generic(rows: list[Row], out: Output) -> list[str]:
+    """A table of every row, for a problem directory no module renders."""
     rows = latest(rows)
     fields = [f for f in KEY_FIELDS if any(r.get(f) is not None for r in rows)]
     body = [[*(r.get(f) for f in fields), r.get("status"), fmt_num(r.get("ms"))] for r in sort_rows(rows, fields)]
-    return ["## All measurements\n\n" + markdown([*fields, "status", "ms"], body)], []
-
-
-RENDERERS: dict[str, Callable[[list[Row], Path], tuple[list[str], list[Path]]]] = {
-    "attention": render_attention,
-    "model": render_model,
-    "flash": render_flash,
-    "leaderboard": render_leaderboard,
-    "autotune": render_autotune,
-    "resources": render_resources,
-}
+    return ["## All measurements\n\n" + markdown([*fields, "status", "ms"], body)]

@@ -2,8 +2,9 @@
 
 Each kernel is compiled for a given CUDA target (default sm_90a, the H100/H200) exactly as a launch
 would compile it: Triton's own argument specialization is applied to the arguments a launch on
-contiguous (batch, heads, seq, d) tensors would pass (unit strides become constants, 16-divisible
-ints and aligned pointers get divisibility hints). The PTX goes through Triton's ptxas with -v. One
+contiguous (1, heads, seq, d) tensors would pass (`KernelSpec.example_launch`; unit strides become
+constants, 16-divisible ints and aligned pointers get divisibility hints). Every kernel of
+`cs336_systems.flash_triton.KERNELS` is compiled unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One
 row per (kernel, config): registers per thread, spill bytes, shared memory, and the warps per SM
 the register file allows (65,536 registers per SM). Nothing is timed; rows say `gpu: none`.
 """
@@ -16,63 +17,60 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from cs336_systems.bench import options, report
+from cs336_systems.bench.options import add_sized, head_dim, positive_int
+from cs336_systems.bench.report import Output, Row
 
-from cs336_systems.bench.record import DTYPES, Recorder
+if TYPE_CHECKING:
+    from cs336_systems.bench.record import Recorder
 
 NAME = "resources"
 HELP = "compile our kernels for a CUDA target without a GPU; record registers, spills, shared memory"
-KERNELS = ("fwd", "dkdv", "dq")
+NEEDS_DEVICE = False
 REGISTERS_PER_SM = 65536
 REGISTER_ALLOC_UNIT = 8  # registers per thread are allocated in steps of 8
+FIELDS = {"mode": str, "variant": str, "dtype": str, "n_heads": int, "seq_len": int, "d_head": int,
+          "is_causal": bool, "target": str}
+OK_FIELDS = {"registers": int, "spill_store_bytes": int, "spill_load_bytes": int, "stack_bytes": int,
+             "shared_mem_bytes": int, "warps_per_sm_by_registers": int, "wgmma": bool}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--d", type=int, nargs="+", default=[64], help="head dims")
-    p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["bf16"], help="Q/K/V dtypes")
+    add_sized(p, "--d", full=[64], smoke=[16], help="head dims", type=head_dim, nargs="+")
+    p.add_argument("--dtype", choices=options.DTYPE_NAMES, nargs="+", default=["bf16"], help="Q/K/V dtypes")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
-    p.add_argument("--seq", type=int, default=16384, help="sequence length the arguments describe")
-    p.add_argument("--n-heads", type=int, default=16, help="heads the arguments describe")
-    p.add_argument("--kernels", choices=KERNELS, nargs="+", default=list(KERNELS), help="kernels to compile")
-    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90 = sm_90a)")
-    p.add_argument("--configs", choices=["all", "first"], default="all",
-                   help="every autotune config, or only the first of each kernel (quick checks)")
-    p.add_argument("--out", type=Path, default=Path("runs"), help="output root")
-    p.add_argument("--resume", action="store_true", help="skip (kernel, config) rows already recorded")
+    add_sized(p, "--seq", full=16384, smoke=64, help="sequence length the arguments describe", type=positive_int)
+    add_sized(p, "--n-heads", full=16, smoke=2, help="heads the arguments describe", type=positive_int)
+    p.add_argument("--kernels", nargs="+", default=None, metavar="KERNEL",
+                   help="kernels to compile, names of cs336_systems.flash_triton.KERNELS (default: all)")
+    p.add_argument("--arch", type=int, choices=options.CUDA_ARCHES, default=90,
+                   help="CUDA compute capability (90 = sm_90a)")
+    add_sized(p, "--configs", full="all", smoke="first", choices=["all", "first"],
+              help="every autotune config, or only the first of each kernel (quick checks)")
 
 
-def stride_value(name: str, heads: int, seq: int, d: int) -> int:
-    """The stride a contiguous launch passes for a kernel argument named stride_<tensor><axis>."""
-    tensor_axis = name.removeprefix("stride_")
-    axis = tensor_axis[-1]
-    if tensor_axis.startswith("l"):  # L (and delta, which shares its strides): (batch, heads, seq)
-        return {"b": heads * seq, "h": seq}.get(axis, 1)
-    return {"b": heads * seq * d, "h": seq * d, "d": 1}.get(axis, d)
+def check(args: argparse.Namespace) -> None:
+    from cs336_systems import flash_triton
+
+    if flash_triton.INTERPRET:
+        raise ValueError("resources compiles the real kernels: run it without TRITON_INTERPRET=1 "
+                         "(cs336_systems.flash_triton was imported in interpreter mode)")
+    options.choices_check("--kernels", args.kernels or [], flash_triton.KERNELS)
 
 
-def launch_arguments(fn, dtype: torch.dtype, heads: int, seq: int, d: int) -> list:
-    """Positional arguments (up to the constexprs) of a launch on contiguous tensors, by parameter name."""
-    from triton.runtime.jit import MockTensor
+def heuristic_constexprs(autotuned, args: list, constexprs: dict) -> dict:
+    """The constexprs the kernel's `@triton.heuristics` derive for a launch, as `Heuristics.run` does."""
+    from triton.runtime.autotuner import Heuristics
 
-    args = []
-    for param in fn.params:
-        name = param.name
-        if param.is_constexpr:
-            break
-        if name.endswith("_ptr"):
-            args.append(MockTensor(torch.float32 if name in ("L_ptr", "Delta_ptr") else dtype))
-        elif name.startswith("stride_"):
-            args.append(stride_value(name, heads, seq, d))
-        elif name == "N_HEADS":
-            args.append(heads)
-        elif name in ("N_QUERIES", "N_KEYS"):
-            args.append(seq)
-        elif name == "scale":
-            args.append(d ** -0.5)
-        else:
-            raise ValueError(f"resources: no rule for argument {name!r} of {fn.__name__}")
-    return args
+    derived: dict = {}
+    fn = autotuned.fn
+    while isinstance(fn, Heuristics):
+        for name, rule in fn.values.items():
+            derived[name] = rule({**dict(zip(fn.arg_names, args)), **constexprs, **derived})
+        fn = fn.fn
+    return derived
 
 
 def compile_config(fn, args: list, constexprs: dict, num_warps: int, num_stages: int, arch: int):
@@ -129,27 +127,17 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from triton.backends.nvidia.compiler import sm_arch_from_capability
     from triton.compiler.errors import CompilationError
 
-    from cs336_systems import flash_triton as ft
+    from cs336_systems.bench.timing import torch_dtype
+    from cs336_systems.flash_triton import KERNELS
 
-    if ft.INTERPRET:
-        raise SystemExit(
-            "cs336-bench resources compiles the real kernels: run it without TRITON_INTERPRET=1 "
-            "(cs336_systems.flash_triton was imported in interpreter mode)"
-        )
-    kernels = {
-        "fwd": (ft.flash_fwd_kernel, ft.KERNELS["flash_fwd"].configs),
-        "dkdv": (ft.flash_bwd_dkdv_kernel, ft.KERNELS["flash_bwd_dkdv"].configs),
-        "dq": (ft.flash_bwd_dq_kernel, ft.KERNELS["flash_bwd_dq"].configs),
-    }
-    rec.meta["gpu"] = "none"
     for dtype_name in args.dtype:
         for d in args.d:
-            for kernel in args.kernels:
-                fn, configs = kernels[kernel]
-                for config in configs[:1] if args.configs == "first" else configs:
+            for name in args.kernels or list(KERNELS):
+                spec = KERNELS[name]
+                for config in spec.configs[:1] if args.configs == "first" else spec.configs:
                     tiles = (config.kwargs["Q_TILE_SIZE"], config.kwargs["K_TILE_SIZE"])
                     fields = dict(
-                        problem=NAME, impl="flash_triton", mode=kernel, dtype=dtype_name, batch=1,
+                        impl="flash_triton", kernel=name, mode=name, dtype=dtype_name, batch=1,
                         n_heads=args.n_heads, seq_len=args.seq, d_head=d, is_causal=args.causal,
                         variant=f"Q{tiles[0]}xK{tiles[1]}/w{config.num_warps}/s{config.num_stages}",
                         q_tile=tiles[0], k_tile=tiles[1], num_warps=config.num_warps,
@@ -157,24 +145,45 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                     )
                     if rec.is_done(fields):
                         continue
-                    constexprs = dict(
-                        D=d, D_TILE=ft.padded_dim(d), is_causal=args.causal,
-                        SKIP_MASKED_TILES=True, **config.kwargs,
-                    )
-                    launch = launch_arguments(fn, DTYPES[dtype_name], args.n_heads, args.seq, d)
+                    launch, constexprs = spec.example_launch(torch_dtype(dtype_name), args.n_heads, args.seq, d,
+                                                             args.causal)
+                    constexprs = {**constexprs, **config.kwargs}
+                    constexprs.update(heuristic_constexprs(spec.autotuned, launch, constexprs))
                     try:
-                        compiled = compile_config(
-                            fn, launch, constexprs, config.num_warps, config.num_stages, args.arch)
+                        compiled = compile_config(spec.jit, launch, constexprs, config.num_warps,
+                                                  config.num_stages, args.arch)
                         usage = ptxas_usage(compiled.asm["ptx"], args.arch)
                     except (CompilationError, subprocess.CalledProcessError, RuntimeError) as e:
                         detail = getattr(e, "stderr", None) or str(e)
-                        rec.write({**fields, **rec.meta, "status": f"error: {type(e).__name__}: {detail[-300:]}"})
+                        rec.skip(fields, f"error: {type(e).__name__}: {detail[-300:]}")
                         continue
                     rec.write({
-                        **fields, **rec.meta, **usage,
+                        **rec.base_row(fields), **usage,
                         "shared_mem_bytes": compiled.metadata.shared,
                         "warps_per_sm_by_registers": warps_per_sm(usage["registers"], config.num_warps),
                         "wgmma": "wgmma" in compiled.asm["ptx"],
                         "status": "ok",
                     })
     return 0
+
+
+def render(rows: list[Row], out: Output) -> list[str]:
+    rows = report.latest(rows)
+    sections = []
+    fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
+    headers = ["kernel", "config (tiles/warps/stages)", "registers", "spill store/load B", "stack B",
+               "shared mem KiB", "warps/SM (registers)", "wgmma"]
+    for key, group in report.group_by(rows, fields):
+        body = [
+            [r["mode"], r["variant"], r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+             r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"],
+             r["wgmma"]]
+            if r["status"] == "ok" else [r["mode"], r["variant"], r["status"], "", "", "", "", ""]
+            for r in group
+        ]
+        sections.append(
+            f"## ptxas resources, {report.subtitle(fields, key)}\n\n"
+            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers\n\n"
+            + report.markdown(headers, body)
+        )
+    return sections

@@ -1,0 +1,191 @@
+"""The one registry from an implementation name to an attention callable `attn(q, k, v, is_causal) -> o`.
+
+Every benchmark (attention, flash, leaderboard, model, overhead) builds its callables here. Inputs are
+(..., seq, d) tensors, e.g. (batch, seq, d) or (batch, heads, seq, d); SDPA gets 3-d inputs as
+(1, X, seq, d). Names:
+
+  naive            the assignment-1 materialized attention (`cs336_basics.model`), mask built once
+  flash_pytorch    `FlashAttention2Pytorch` (tiled PyTorch forward, compiled recomputing backward)
+  flash_triton     `FlashAttention2Triton`, the shipped kernel ("ours" in tables and plots)
+  flash_triton:V   the ablation variant V of `cs336_systems.flash_ablation.ABLATION_VARIANTS`
+  sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
+                   `F.scaled_dot_product_attention` restricted to one backend
+  NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants)
+  NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton)
+
+`build(name, setup)` raises `Unsupported` (recorded as an "unsupported" row) where the combination
+cannot run: an SDPA backend without a kernel for the dtype / device, or torch.compile around our
+kernels under the Triton interpreter. The module imports torch only inside the builders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cs336_systems.bench.record import Unsupported
+
+if TYPE_CHECKING:
+    import torch
+
+Attention = Callable[..., Any]  # attn(q, k, v, is_causal) -> o
+ABLATION_PREFIX = "flash_triton:"
+SHIPPED = "flash_triton"
+COMPILE_SUFFIXES = {"_compiled": "default", "_cudagraphs": "reduce-overhead"}
+SDPA_BACKENDS = {  # impl -> (torch.nn.attention.SDPBackend member, dtypes it accepts on CUDA)
+    "sdpa_flash": ("FLASH_ATTENTION", ("bf16", "fp16")),
+    "sdpa_cudnn": ("CUDNN_ATTENTION", ("bf16", "fp16")),
+    "sdpa_efficient": ("EFFICIENT_ATTENTION", ("bf16", "fp16", "fp32")),
+    "sdpa_math": ("MATH", ("bf16", "fp16", "fp32")),
+}
+NO_KERNEL_MESSAGES = ("No available kernel", "No viable backend")  # SDPA on CUDA / on the CPU
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a builder may need besides the name: where it runs and the shape it is built for."""
+
+    device: torch.device
+    dtype: str  # fp32 / bf16 / fp16
+    seq_len: int  # the naive mask is built once for this length
+    compile_backend: str = "inductor"
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    make: Callable[[Setup], Attention]
+    triton: bool = False  # runs our Triton kernels (dynamo cannot trace them under the interpreter)
+    compile_modes: tuple[str, ...] = ()  # the COMPILE_SUFFIXES this base name takes
+
+
+def _naive(setup: Setup) -> Attention:
+    import cs336_basics.model as basics_model
+
+    attention = basics_model.scaled_dot_product_attention  # looked up now: a model may swap the global later
+    mask = basics_model.causal_mask(setup.seq_len, setup.seq_len, device=setup.device)
+
+    def naive(q, k, v, is_causal):
+        return attention(q, k, v, mask=mask if is_causal else None)
+
+    return naive
+
+
+def _flash_pytorch(setup: Setup) -> Attention:
+    from cs336_systems.flash_pytorch import FlashAttention2Pytorch
+
+    return FlashAttention2Pytorch.apply
+
+
+def _flash_triton(setup: Setup) -> Attention:
+    from cs336_systems.flash_triton import FlashAttention2Triton
+
+    return FlashAttention2Triton.apply
+
+
+def _ablation(variant: str) -> Callable[[Setup], Attention]:
+    def make(setup: Setup) -> Attention:
+        from cs336_systems.flash_ablation import ABLATION_VARIANTS
+
+        return ABLATION_VARIANTS[variant].apply
+
+    return make
+
+
+def _sdpa(impl: str) -> Callable[[Setup], Attention]:
+    backend_name, dtypes = SDPA_BACKENDS[impl]
+
+    def make(setup: Setup) -> Attention:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if setup.device.type == "cuda" and setup.dtype not in dtypes:
+            raise Unsupported(f"{impl} does not support {setup.dtype}")
+        backend = getattr(SDPBackend, backend_name)
+
+        def sdpa(q, k, v, is_causal):
+            squeeze = q.ndim == 3
+            if squeeze:
+                q, k, v = q[None], k[None], v[None]
+            with sdpa_kernel(backend):
+                try:
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+                except RuntimeError as e:
+                    if any(m in str(e) for m in NO_KERNEL_MESSAGES):
+                        raise Unsupported(f"{impl}: no kernel for {tuple(q.shape)} {q.dtype} on {q.device}") from e
+                    raise
+            return o[0] if squeeze else o
+
+        return sdpa
+
+    return make
+
+
+BASE_IMPLS = {
+    impl.name: impl
+    for impl in (
+        Impl("naive", _naive, compile_modes=("_compiled",)),
+        Impl("flash_pytorch", _flash_pytorch),
+        Impl(SHIPPED, _flash_triton, triton=True, compile_modes=("_compiled", "_cudagraphs")),
+        *(Impl(name, _sdpa(name)) for name in SDPA_BACKENDS),
+    )
+}
+
+
+def ablation_variants() -> list[str]:
+    """The ablation variants' keys, in order (the last one is the shipped kernel)."""
+    from cs336_systems.flash_ablation import ABLATION_VARIANTS
+
+    return list(ABLATION_VARIANTS)
+
+
+def base_impls() -> dict[str, Impl]:
+    """Every base implementation, the ablation variants (imported now) included."""
+    variants = {
+        f"{ABLATION_PREFIX}{v}": Impl(f"{ABLATION_PREFIX}{v}", _ablation(v), triton=True, compile_modes=("_compiled",))
+        for v in ablation_variants()
+    }
+    return {**BASE_IMPLS, **variants}
+
+
+def names() -> list[str]:
+    """Every name `build` accepts."""
+    return [
+        name + suffix for name, impl in base_impls().items() for suffix in ("", *impl.compile_modes)
+    ]
+
+
+def parse(name: str) -> tuple[Impl, str | None]:
+    """(base implementation, torch.compile mode or None) of a registry name; ValueError if unknown."""
+    bases = base_impls()
+    if name in bases:
+        return bases[name], None
+    for suffix, mode in COMPILE_SUFFIXES.items():
+        base = bases.get(name.removesuffix(suffix))
+        if name.endswith(suffix) and base is not None and suffix in base.compile_modes:
+            return base, mode
+    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(names())}")
+
+
+def build(name: str, setup: Setup) -> Attention:
+    """The callable `attn(q, k, v, is_causal) -> o` registered as `name`, built for `setup`."""
+    import torch
+
+    impl, mode = parse(name)
+    attn = impl.make(setup)
+    if mode is None:
+        return attn
+    if impl.triton and setup.device.type != "cuda":
+        raise Unsupported("dynamo cannot trace Triton-interpreter kernels (CPU)")
+    if mode == "reduce-overhead" and setup.device.type != "cuda":
+        raise Unsupported("CUDA graphs need a CUDA device")
+    torch._dynamo.reset()  # a fresh compile per setup: no recompilation limits, no stale guards
+    return torch.compile(
+        attn, backend=setup.compile_backend, mode=None if mode == "default" else mode, dynamic=False
+    )
+
+
+def uses_triton(name: str) -> bool:
+    """Whether `name` runs our Triton kernels (so cannot be torch.compile'd under the interpreter)."""
+    return parse(name)[0].triton

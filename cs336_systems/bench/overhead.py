@@ -1,0 +1,157 @@
+"""overhead: host (Python) time per call of each implementation's forward and backward, beside its GPU time.
+
+At a short sequence (default batch 1, 16 heads, seq 1024, d 64, bf16, causal) launch overhead, not
+the kernels, can bound the step time. Per implementation (names of the `impls` registry) and mode:
+  fwd  attn(q, k, v, is_causal)
+  bwd  torch.autograd.grad(o, (q, k, v), dO, retain_graph=True) on one forward's output
+three numbers are recorded:
+  host_us  median (p20/p80) over `--iters` calls of the wall time the Python call takes to return,
+           the device synchronized before each call (untimed) and not after it: the CPU cost of
+           issuing the call's work, without the work and without queue back-pressure
+  ms       GPU time per call, triton.testing.do_bench (CUDA events, L2 flushed), median, p20, p80
+  wall_ms  median wall time per call, synchronized after each: what one isolated call costs
+host_us / 1000 above `ms` means the call is host-bound when issued back to back. This replaces the
+one-off cProfile script runs/profile/host_overhead.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from cs336_systems.bench import impls, options, report
+from cs336_systems.bench.options import add_sized, head_dim, nonnegative_int, positive_float, positive_int
+from cs336_systems.bench.report import Output, Row
+
+if TYPE_CHECKING:
+    from cs336_systems.bench.record import Recorder
+
+NAME = "overhead"
+HELP = "host microseconds per call of each implementation's forward and backward, beside the GPU time"
+MODES = ("fwd", "bwd")
+FIELDS = {"mode": str, "dtype": str, "batch": int, "n_heads": int, "seq_len": int, "d_head": int,
+          "is_causal": bool}
+OK_FIELDS = {"ms": (int, float), "host_us": (int, float), "wall_ms": (int, float)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impls", nargs="+", default=[impls.SHIPPED, "sdpa_flash"], metavar="IMPL",
+                   help="implementations, names of the impls registry (e.g. flash_triton_cudagraphs, sdpa_cudnn)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="passes to time")
+    add_sized(p, "--batch", full=1, smoke=1, help="batch size", type=positive_int)
+    add_sized(p, "--n-heads", full=16, smoke=2, help="heads", type=positive_int)
+    add_sized(p, "--seq", full=1024, smoke=32, help="sequence length", type=positive_int)
+    add_sized(p, "--d", full=64, smoke=16, help="head dim", type=head_dim)
+    add_sized(p, "--dtype", full="bf16", smoke="fp32", help="Q/K/V dtype", choices=options.DTYPE_NAMES)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
+    add_sized(p, "--iters", full=200, smoke=3, help="calls timed for host_us and wall_ms", type=positive_int)
+    add_sized(p, "--warmup", full=20, smoke=1, help="untimed calls first (autotuning, compiling)",
+              type=nonnegative_int)
+    p.add_argument("--warmup-ms", type=positive_float, default=25, help="do_bench warm-up time (ms)")
+    p.add_argument("--rep-ms", type=positive_float, default=100, help="do_bench repetition time (ms)")
+    options.add_compile_backend_arg(p)
+
+
+def check(args: argparse.Namespace) -> None:
+    options.choices_check("--impls", args.impls, impls.names())
+
+
+def run(args: argparse.Namespace, rec: Recorder) -> int:
+    import torch
+
+    from cs336_systems.bench.timing import attention_flops, bench, host_times, time_calls, torch_dtype
+
+    device = rec.device
+    backend = options.compile_backend(args, device.type == "cuda")
+    shape = dict(dtype=args.dtype, batch=args.batch, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d,
+                 is_causal=args.causal, iters=args.iters, warmup_iters=args.warmup, rep_ms=args.rep_ms,
+                 warmup_ms=args.warmup_ms)
+    for impl in options.progress(args.impls, args, NAME):
+        base = {**shape, "impl": impl}
+        if impls.parse(impl)[1] is not None:
+            base["compile_backend"] = backend
+        built: dict = {}
+
+        def measure(mode: str) -> dict[str, float]:
+            if "attn" not in built:  # inside the measurement: Unsupported becomes its row
+                built["attn"] = impls.build(impl, impls.Setup(device, args.dtype, args.seq, backend))
+            attn = built["attn"]
+            q, k, v = (torch.randn(args.batch, args.n_heads, args.seq, args.d, device=device,
+                                   dtype=torch_dtype(args.dtype), requires_grad=True) for _ in range(3))
+            if mode == "fwd":
+
+                def call():
+                    return attn(q, k, v, args.causal)
+
+            else:
+                o = attn(q, k, v, args.causal)
+                do = torch.randn_like(o)
+
+                def call():
+                    return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+            host = host_times(call, device, iters=args.iters, warmup=args.warmup)
+            gpu = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+            wall = time_calls(call, device, iters=args.iters, warmup=0)
+            return {**host, **gpu, "wall_ms": wall["ms"]}
+
+        for mode in args.modes:
+            fields = {**base, "mode": mode}
+            if not rec.is_done(fields):
+                flops = attention_flops(mode, args.batch, args.n_heads, args.seq, args.d, args.causal)
+                rec.measure(fields, lambda: measure(mode), flops=flops)
+    return 0
+
+
+def render(rows: list[Row], out: Output) -> list[str]:
+    sections = []
+    fields = report.SHAPE_FIELDS
+    for key, group, modes in report.by_shape(rows, MODES):
+        body = []
+        for impl in report.distinct(group, "impl"):
+            line = [report.impl_label(impl)]
+            for mode in modes:
+                r = report.pick(group, impl=impl, mode=mode)
+                line += [report.field_cell("host_us")(r), _us_cell(r, "ms"), _us_cell(r, "wall_ms"),
+                         report.status_cell(r) or f"{r['host_us'] / (r['ms'] * 1e3):.2f}"]
+            body.append(line)
+        headers = ["implementation"]
+        for mode in modes:
+            headers += [f"{mode} host µs", f"{mode} GPU µs", f"{mode} synced wall µs", f"{mode} host / GPU"]
+        sections.append(
+            f"## Host overhead per call, {report.subtitle(fields, key)}\n\n"
+            "host µs: the Python call alone (queue drained before, not waited for after), median; GPU µs: "
+            "do_bench median; synced wall µs: one call with a synchronize after it, median. host / GPU above 1: "
+            "back-to-back calls are bound by the host\n\n"
+            + report.markdown(headers, body)
+        )
+        _plot(group, modes, out, key, fields)
+    return sections
+
+
+def _us_cell(r: Row | None, field: str) -> str:
+    return report.status_cell(r) or report.fmt_num(r[field] * 1e3)
+
+
+def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: tuple) -> None:
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    names = report.distinct(group, "impl")
+    fig, axes = report.new_figure(len(modes))
+    for ax, mode in zip(axes, modes):
+        picked = [report.pick(group, impl=i, mode=mode) for i in names]
+        x = np.arange(len(names))
+        host = [r["host_us"] if report.ok(r) else 0.0 for r in picked]
+        gpu = [r["ms"] * 1e3 if report.ok(r) else 0.0 for r in picked]
+        colors = [report.impl_color(i) for i in names]
+        ax.bar(x - 0.2, host, 0.4, color=colors)
+        ax.bar(x + 0.2, gpu, 0.4, color=colors, hatch="//", edgecolor="white", alpha=0.6)
+        ax.set_xticks(x, [report.impl_label(i) for i in names], fontsize=8, rotation=20, ha="right")
+        ax.set_ylabel("µs per call (median; lower is better)")
+        ax.set_title({"fwd": "forward", "bwd": "backward"}[mode], fontsize=10)
+        ax.legend(handles=[Patch(color="#808080", label="host (Python call)"),
+                           Patch(facecolor="#808080", hatch="//", edgecolor="white", alpha=0.6, label="GPU")],
+                  fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    out.save(fig, report.slug("overhead", *key), f"host vs GPU time per call, {report.subtitle(fields, key)}")

@@ -1,0 +1,172 @@
+"""Timing, memory and FLOP helpers of the benchmarks (apart from the recording in `record`).
+
+torch and triton are imported inside the functions, so that importing this module (as the CLI does to
+build its parser) stays instant.
+
+Three ways to time a callable:
+- `time_calls`: wall clock per call, the device synchronized before and after each (the handout's
+  "synchronize after every call" loops; also the CPU fallback of the others);
+- `bench`: `triton.testing.do_bench` (CUDA events per call, L2 flushed before each) -> median, p20, p80;
+  `harness_bench` is the same as the course's leaderboard harness calls it, keeping every sample;
+- `host_times`: the Python call alone, the device queue drained before it and not waited for after it
+  (the host overhead of launching the call's work).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def synchronize(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def allocated_memory_mib(device: torch.device) -> float | None:
+    import torch
+
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def summarize_ms(times_ms: list[float]) -> dict[str, float]:
+    """Median (the headline `ms`), 20th/80th percentiles, mean and sample std of per-call times."""
+    q = statistics.quantiles(times_ms, n=10, method="inclusive") if len(times_ms) > 1 else [times_ms[0]] * 9
+    return {
+        "ms": statistics.median(times_ms),
+        "ms_p20": q[1],
+        "ms_p80": q[7],
+        "ms_mean": statistics.fmean(times_ms),
+        "ms_std": statistics.stdev(times_ms) if len(times_ms) > 1 else 0.0,
+        "n_timed": len(times_ms),
+    }
+
+
+def time_calls(
+    fn: Callable[[], Any],
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    before: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Time `iters` calls of `fn` with a wall clock, synchronizing the device after each call.
+
+    `before` runs untimed ahead of every call (e.g. to drop accumulated grads or redo a forward).
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+        synchronize(device)
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {**summarize_ms(times), "first_ms": times[0]}  # first_ms: shows what warm-up absorbs
+
+
+def host_times(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int) -> dict[str, float]:
+    """Microseconds the Python call `fn()` takes to return, with the device's queue empty when it starts.
+
+    The device is synchronized before each call (untimed) and not after it, so the time is what the host
+    spends issuing the call's work, not the work itself, and no queue back-pressure is included. A call
+    that synchronizes internally (e.g. `.item()`) shows its device time here: that is host time too.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    synchronize(device)
+    stats = summarize_ms(times)
+    return {"host_us": stats["ms"], "host_us_p20": stats["ms_p20"], "host_us_p80": stats["ms_p80"]}
+
+
+def bench(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """`triton.testing.do_bench` (median and [0.2, 0.8] quantiles) on CUDA; one synchronized call on the CPU."""
+    if device.type != "cuda":
+
+        def drop_grads() -> None:
+            for t in grad_to_none or ():
+                t.grad = None
+
+        return time_calls(fn, device, iters=1, warmup=1, before=drop_grads)
+    import triton.testing
+
+    ms, p20, p80 = triton.testing.do_bench(
+        fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, quantiles=list(QUANTILES)
+    )
+    return {"ms": ms, "ms_p20": p20, "ms_p80": p80}
+
+
+def harness_bench(fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """do_bench(fn, rep, warmup) as the course's harness calls it (no grad_to_none), keeping every sample."""
+    if device.type != "cuda":
+        return time_calls(fn, device, iters=1, warmup=1)
+    import triton.testing
+
+    return summarize_ms(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
+
+
+def attention_flops(mode: str, batch: int, n_heads: int, seq_len: int, d_head: int, is_causal: bool) -> float:
+    """FLOPs of one attention call: fwd = 4*B*H*S^2*D (halved when causal), bwd = 2.5x, fwd_bwd = 3.5x."""
+    fwd = 4.0 * batch * n_heads * seq_len**2 * d_head * (0.5 if is_causal else 1.0)
+    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]

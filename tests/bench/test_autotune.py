@@ -1,0 +1,100 @@
+"""`cs336-bench autotune`: the autotuner's choices and every config's time, shipped and --wide grids."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from cs336_systems.bench import autotune as autotune_bench
+
+from .helpers import check_report, check_rows, rows_of, run_cli
+
+
+def test_smoke_autotune(tmp_path):
+    assert run_cli("autotune", "--smoke", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "autotune")
+    check_rows(rows, "autotune", ("kernel",), timed=False)  # one config under the interpreter: nothing tuned
+    launched = {r["kernel"] for r in rows}
+    from cs336_systems.flash_triton import AUTOTUNED_KERNELS
+
+    assert autotune_bench.TUNING_CALL in launched and launched - {autotune_bench.TUNING_CALL} <= set(AUTOTUNED_KERNELS)
+    for r in rows:
+        if r["kernel"] != autotune_bench.TUNING_CALL:
+            assert r["best_config_kwargs"]["num_warps"] >= 1
+    check_report(tmp_path, "autotune")
+
+
+def test_smoke_autotune_wide(tmp_path):
+    """--wide: the named kernel tunes over its own grid, rows say so, and the shipped configs come back."""
+    from cs336_systems.flash_triton import AUTOTUNED_KERNELS
+
+    shipped = {n: k.configs for n, k in AUTOTUNED_KERNELS.items()}
+    assert run_cli("autotune", "--smoke", "--wide", "flash_fwd", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "autotune")
+    assert {r["variant"] for r in rows} == {"wide: flash_fwd"}, rows
+    grids = {n: [autotune_bench.config_dict(c) for c in configs] for n, configs in shipped.items()}
+    grids["flash_fwd"] = [autotune_bench.config_dict(c) for c in autotune_bench.wide_configs("flash_fwd")]
+    for r in rows:
+        if r["kernel"] != autotune_bench.TUNING_CALL:
+            grid = grids[r["kernel"]]
+            assert r["best_config_kwargs"] in grid and r["n_configs"] == len(grid), (r["kernel"], r)
+    assert {n: k.configs for n, k in AUTOTUNED_KERNELS.items()} == shipped
+    assert "wide: flash_fwd" in check_report(tmp_path, "autotune")
+
+
+def test_autotune_wide_grid():
+    """Every tile pair of each kernel's wide grid with every warp and stage count, no duplicates."""
+    from cs336_systems.flash_triton import KERNELS
+
+    with mock.patch("cs336_systems.flash_triton.INTERPRET", False):
+        for name, spec in KERNELS.items():
+            configs = autotune_bench.wide_configs(name)
+            seen = {(c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"], c.num_warps, c.num_stages) for c in configs}
+            assert len(seen) == len(configs) == len(spec.wide_tiles) * len(autotune_bench.WIDE_WARPS) * len(
+                autotune_bench.WIDE_STAGES
+            ), name
+
+
+def test_autotune_observe_records_every_config():
+    """A real (interpreted) Autotuner with a fake benchmarker: observe() captures key, choice and all timings."""
+    if torch.cuda.is_available():
+        pytest.skip("uses the Triton interpreter")
+    import triton
+    import triton.language as tl
+
+    fake_ms = {16: 3.0, 32: 1.0, 64: 2.0}
+
+    def fake_bench(kernel_call, quantiles):
+        kernel_call()
+        ms = fake_ms[current["block"]]
+        return [ms, ms * 0.9, ms * 1.1]
+
+    current = {"block": None}
+
+    def remember_block(kwargs):
+        current["block"] = kwargs["BLOCK"]
+
+    configs = [triton.Config({"BLOCK": b}, pre_hook=remember_block) for b in fake_ms]
+
+    @triton.autotune(configs=configs, key=["n"], do_bench=fake_bench)
+    @triton.jit
+    def double(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    x = torch.randn(64)
+    y = torch.empty_like(x)
+    with autotune_bench.observe({"double": double}) as events:
+        for _ in range(2):  # the second launch reuses the cached choice
+            double[lambda meta: (triton.cdiv(64, meta["BLOCK"]),)](x, y, 64)
+    assert "run" not in double.__dict__
+    torch.testing.assert_close(y, 2 * x)
+    tuned, cached = events
+    assert tuned["tuned"] and not cached["tuned"]
+    metrics = autotune_bench.event_metrics(tuned)
+    assert metrics["best_config_kwargs"]["BLOCK"] == 32 and metrics["ms"] == 1.0
+    assert [c["BLOCK"] for c in metrics["configs"]] == [32, 64, 16]
+    assert metrics["tuning_key"][0] == "64"
+    assert metrics["bench_time_s"] is not None and metrics["from_disk_cache"] is False

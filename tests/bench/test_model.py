@@ -1,0 +1,49 @@
+"""`cs336-bench model`: smoke sweep eager and compiled, the warm-up experiment, swapped attention."""
+
+from __future__ import annotations
+
+import cs336_basics.model as basics_model
+from cs336_systems.bench.report import fmt_num, mean_std_cell
+
+from .helpers import check_report, check_rows, rows_of, run_cli
+
+
+def test_smoke_model(tmp_path):
+    assert run_cli("model", "--smoke", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "model")
+    check_rows(rows, "model", ("model_size", "context_length", "compiled", "ms_mean", "ms_std", "tokens_per_s"))
+    assert {(r["mode"], r["compiled"]) for r in rows} == {
+        (m, c) for m in ("fwd", "bwd", "fwd_bwd", "step") for c in (False, True)
+    }
+    assert all(r["status"] == "ok" for r in rows)
+    check_report(tmp_path, "model")
+
+
+def test_smoke_model_warmup_experiment(tmp_path):
+    """benchmarking_script (c): runs with 0 and 1 warm-up steps sit side by side, first timed step shown."""
+    for warmup in ("0", "1"):
+        assert run_cli("model", "--smoke", "--warmup", warmup, "--steps", "2", "--compile", "eager",
+                       "--modes", "fwd", "--out", str(tmp_path), "--resume") == 0
+    rows = rows_of(tmp_path, "model")
+    assert sorted(r["warmup_steps"] for r in rows) == [0, 1]
+    assert all(r["first_ms"] > 0 for r in rows), rows
+    table = check_report(tmp_path, "model", plots=False)
+    section = table.split("## Warm-up effect")[1].split("##")[0]
+    assert "warmup 0" in section and "warmup 1" in section
+    first = {r["warmup_steps"]: r["first_ms"] for r in rows}
+    assert f"({fmt_num(first[0])})" in section and f"({fmt_num(first[1])})" in section, section
+    steps = table.split("## Step time")[1].split("##")[0]
+    warmed = next(r for r in rows if r["warmup_steps"] == 1)
+    assert mean_std_cell(warmed) in steps, f"step-time table should show the 1-warm-up run:\n{steps}"
+    assert "warmup_steps" not in steps, f"only the most warmed-up run belongs in the step-time table:\n{steps}"
+
+
+def test_smoke_model_swapped_attention(tmp_path):
+    """Any registry name swaps the model's attention (and 'flash' still means ours); the swap is undone."""
+    original = basics_model.scaled_dot_product_attention
+    assert run_cli("model", "--smoke", "--attention", "flash", "sdpa_math", "--compile", "both",
+                   "--modes", "fwd_bwd", "--out", str(tmp_path)) == 0
+    assert basics_model.scaled_dot_product_attention is original
+    status = {(r["impl"], r["compiled"]): r["status"] for r in rows_of(tmp_path, "model")}
+    assert status == {("flash_triton", False): "ok", ("flash_triton", True): "unsupported",
+                      ("sdpa_math", False): "ok", ("sdpa_math", True): "ok"}

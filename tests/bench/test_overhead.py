@@ -1,0 +1,31 @@
+"""`cs336-bench overhead`: host time per call beside the GPU time, per implementation and pass."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cs336_systems.bench.timing import host_times
+
+from .helpers import check_report, check_rows, rows_of, run_cli
+
+
+def test_smoke_overhead(tmp_path):
+    assert run_cli("overhead", "--smoke", "--impls", "flash_triton", "sdpa_math", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "overhead")
+    check_rows(rows, "overhead", ("host_us", "host_us_p20", "host_us_p80", "wall_ms", "iters", "warmup_iters"))
+    assert {(r["impl"], r["mode"], r["status"]) for r in rows} == {
+        (i, m, "ok") for i in ("flash_triton", "sdpa_math") for m in ("fwd", "bwd")
+    }
+    for r in rows:
+        assert r["host_us"] > 0 and r["host_us_p20"] <= r["host_us"] <= r["host_us_p80"]
+        assert (r["batch"], r["n_heads"], r["seq_len"], r["d_head"], r["is_causal"]) == (1, 2, 32, 16, True)
+    table = check_report(tmp_path, "overhead")
+    assert "fwd host µs" in table and "| ours |" in table
+
+
+def test_host_times_measure_the_call_not_waiting():
+    """host_us is the time the call takes to return (here: a sleep of 2 ms)."""
+    stats = host_times(lambda: time.sleep(0.002), torch.device("cpu"), iters=5, warmup=1)
+    assert 2000 <= stats["host_us"] < 50_000

@@ -1,0 +1,99 @@
+"""Recorder: rows on disk at once, appends that never merge, identity by device and timing settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, key_of, read_rows
+
+from .helpers import rows_of, run_cli
+
+FIELDS = dict(impl="naive", mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=8, d_head=4, is_causal=False)
+
+
+def test_recorder_appends_each_row_immediately(tmp_path):
+    rec = Recorder(tmp_path, "attention", torch.device("cpu"))
+    rec.measure(FIELDS, lambda: {"ms": 1.0, "ms_p20": 1.0, "ms_p80": 1.0}, flops=2e9)
+    (row,) = read_rows(tmp_path / "attention" / "metrics.jsonl")
+    assert row["tflops"] == pytest.approx(2.0) and row["status"] == "ok"
+    assert row["matmul_precision"] == torch.get_float32_matmul_precision()
+    assert rec.is_done(FIELDS)
+
+
+def test_append_after_a_cut_last_line_starts_a_fresh_line(tmp_path):
+    """Issue 11 (1): a file not ending in a newline must not swallow the next row."""
+    rec = Recorder(tmp_path, "attention", torch.device("cpu"))
+    rec.write({**rec.base_row(FIELDS), "status": "ok", "ms": 1.0})
+    rec.write({**rec.base_row({**FIELDS, "seq_len": 16}), "status": "ok", "ms": 2.0})
+    path = rec.path
+    path.write_bytes(path.read_bytes()[:-1])  # `truncate -s -1`: the last row loses its newline only
+    rec.write({**rec.base_row({**FIELDS, "seq_len": 32}), "status": "ok", "ms": 3.0})
+    assert [r["seq_len"] for r in read_rows(path)] == [8, 16, 32]
+
+    path.write_bytes(path.read_bytes()[:-20])  # a row cut in the middle (killed run)
+    rec.write({**rec.base_row({**FIELDS, "seq_len": 64}), "status": "ok", "ms": 4.0})
+    assert [r["seq_len"] for r in read_rows(path)] == [8, 16, 64]
+
+
+def test_resume_after_a_damaged_last_line_remeasures_only_that_key(tmp_path, capsys):
+    """The issue's repro: the damaged row is skipped with a warning and re-measured; nothing else is lost."""
+    base = ("flash", "--smoke", "--out", str(tmp_path), "--modes", "fwd", "--d", "16", "--seq", "16")
+    assert run_cli(*base, "--impls", "naive") == 0
+    path = tmp_path / "flash" / "metrics.jsonl"
+    path.write_bytes(path.read_bytes()[:-1])
+    assert run_cli(*base, "--impls", "naive", "flash_triton", "--resume") == 0
+    lines = path.read_text().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines)  # every line parses
+    assert [r["impl"] for r in rows_of(tmp_path, "flash")] == ["naive", "flash_triton"]
+
+    path.write_bytes(path.read_bytes()[:-30])  # now the flash_triton row is cut
+    assert run_cli(*base, "--impls", "naive", "flash_triton", "--resume") == 0
+    assert "skipping a line that is not a JSON object" in capsys.readouterr().err
+    assert [r["impl"] for r in rows_of(tmp_path, "flash")] == ["naive", "flash_triton"]
+
+
+def test_non_object_lines_are_skipped_by_resume(tmp_path, capsys):
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "metrics.jsonl").write_text("42\nnull\n[1, 2]\n\"text\"\n")
+    rec = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
+    assert not rec.done
+    assert capsys.readouterr().err.count("not a JSON object") == 4
+
+
+def test_identity_includes_device_smoke_and_timing_settings(tmp_path):
+    """Issue 11 (2): a CPU or --smoke row never marks a GPU measurement done, nor one with other settings."""
+    gpu_row = {"problem": "flash", **FIELDS, "gpu": "NVIDIA H200", "rep_ms": 100, "warmup_ms": 25, "status": "ok"}
+    (tmp_path / "flash").mkdir()
+    (tmp_path / "flash" / "metrics.jsonl").write_text(json.dumps(gpu_row) + "\n")
+    rec = Recorder(tmp_path, "flash", torch.device("cpu"), resume=True, smoke=True)
+    assert not rec.is_done({**FIELDS, "rep_ms": 100, "warmup_ms": 25})
+    assert {"gpu", "smoke", "rep_ms", "warmup_ms", "iters", "warmup_iters", "steps", "warmup_steps"} <= set(KEY_FIELDS)
+    assert key_of(gpu_row) != key_of({**gpu_row, "rep_ms": 10000})
+    assert key_of(gpu_row) != key_of({**gpu_row, "gpu": "cpu"})
+    assert key_of(gpu_row) != key_of({**gpu_row, "smoke": True})
+
+
+def test_resume_skips_done_rows(tmp_path):
+    args = ("attention", "--smoke", "--seq", "16", "32", "--out", str(tmp_path))
+    assert run_cli(*args) == 0
+    first = rows_of(tmp_path, "attention")
+    assert len(first) == 4
+    assert run_cli(*args, "--resume") == 0
+    assert rows_of(tmp_path, "attention") == first  # nothing re-measured
+
+    # Drop the seq=32 rows and turn one seq=16 row into an error: resume redoes exactly those three.
+    path = tmp_path / "attention" / "metrics.jsonl"
+    kept = [r for r in first if r["seq_len"] == 16]
+    kept[0] = {**kept[0], "status": "error: RuntimeError: boom"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert run_cli(*args, "--resume") == 0
+    redone = rows_of(tmp_path, "attention")[len(kept):]
+    assert sorted((r["seq_len"], r["mode"]) for r in redone) == [(16, kept[0]["mode"]), (32, "bwd"), (32, "fwd")]
+    assert all(r["status"] == "ok" for r in redone)
+
+    # Other timing settings are other measurements.
+    assert run_cli(*args, "--iters", "3", "--resume") == 0
+    assert len(rows_of(tmp_path, "attention")) == len(kept) + 3 + 4

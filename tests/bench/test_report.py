@@ -1,0 +1,125 @@
+"""`cs336-bench report`: GPU-shaped rows render, bad rows are skipped, devices are never mixed."""
+
+from __future__ import annotations
+
+from cs336_systems.bench import cli
+
+from .helpers import run_cli, timed, write_rows
+
+
+def flash_rows() -> list[dict]:
+    rows = []
+    for dtype in ("bf16", "fp32"):
+        for d in (64, 128):
+            for seq in (1024, 65536):
+                for impl in ("naive", "flash_triton", "sdpa_flash"):
+                    for mode in ("fwd", "bwd", "fwd_bwd"):
+                        shape = dict(impl=impl, mode=mode, dtype=dtype, batch=1, n_heads=1, seq_len=seq, d_head=d,
+                                     is_causal=True, rep_ms=100, warmup_ms=25)
+                        if impl == "naive" and seq == 65536:
+                            rows.append({**shape, "status": "oom"})
+                        elif impl == "sdpa_flash" and dtype == "fp32":
+                            rows.append({**shape, "status": "unsupported"})
+                        else:
+                            rows.append({**shape, **timed(seq / 1000 * (3 if impl == "naive" else 1))})
+    return rows
+
+
+def test_report_renders_gpu_shaped_rows(tmp_path):
+    """Rows shaped like a GPU sweep (several d / seq / contexts, OOMs, tuned autotune keys) render fully."""
+    write_rows(tmp_path, "flash", flash_rows())
+    model = []
+    for size in ("small", "2.7B"):
+        for ctx in (512, 16384):
+            for impl in ("naive", "flash_triton"):
+                for compiled in (False, True):
+                    for mode in ("fwd", "bwd", "fwd_bwd", "step"):
+                        shape = dict(impl=impl, mode=mode, dtype="fp32", batch=4, n_heads=12, seq_len=ctx, d_head=64,
+                                     is_causal=True, model_size=size, context_length=ctx, compiled=compiled,
+                                     warmup_steps=5, steps=10)
+                        if ctx == 16384 and impl == "naive":
+                            model.append({**shape, "status": "oom"})
+                        else:
+                            model.append({**shape, **timed(ctx / 10, tokens_per_s=1e5, peak_mem_mb=2e4)})
+    write_rows(tmp_path, "model", model)
+    configs = [{"config": f"Q_TILE_SIZE: {q}", "Q_TILE_SIZE": q, "num_warps": 4, "num_stages": 3, "num_ctas": 1,
+                "ms": ms, "ms_p20": ms, "ms_p80": ms} for q, ms in ((64, 1.0), (128, float("inf")), (32, 2.0))]
+    autotune = []
+    for seq in (1024, 4096):
+        shape = dict(impl="flash_triton", mode="fwd_bwd", dtype="bf16", batch=1, n_heads=16, seq_len=seq, d_head=64,
+                     is_causal=True)
+        autotune.append({**shape, "kernel": "(tuning call)", "status": "ok", "tune_wall_s": 3.0, "n_launches": 3})
+        for kernel in ("flash_fwd", "flash_bwd_dq"):
+            autotune.append({**shape, "kernel": kernel, "status": "ok", "tuned": True,
+                             "tuning_key": [str(seq), str(seq), "64", "True", "torch.bfloat16"],
+                             "best_config": "Q_TILE_SIZE: 64", "best_config_kwargs": configs[0], "configs": configs,
+                             "n_tried": 3, "bench_time_s": 1.5, "ms": 1.0, "ms_p20": 1.0, "ms_p80": 1.0})
+    write_rows(tmp_path, "autotune", autotune)
+    leaderboard = [
+        dict(impl=impl, variant=variant, mode=mode, dtype="bf16", batch=1, n_heads=16, seq_len=16384, d_head=64,
+             is_causal=True, compiled=impl != "sdpa_flash", rep_ms=rep, warmup_ms=rep / 10, run_id=f"run{rep}",
+             **timed(ms))
+        for rep, variants in ((500, (("flash_triton", "causal_skip", 6.8), ("naive", "naive", 40.0))),
+                              (10000, (("flash_triton", "autotune", 6.2), ("sdpa_flash", "sdpa_flash", 7.1))))
+        for impl, variant, ms in variants for mode in ("fwd_bwd", "fwd")
+    ]
+    write_rows(tmp_path, "leaderboard", leaderboard)
+
+    assert cli.main(["report", "--out", str(tmp_path)]) == 0
+    flash_md = (tmp_path / "flash" / "table.md").read_text()
+    assert "OOM" in flash_md and "unsupported" in flash_md and "3.00×" in flash_md
+    assert len(list((tmp_path / "flash").glob("flash_speedup_*.png"))) == 6
+    model_md = (tmp_path / "model" / "table.md").read_text()
+    assert "compile speedup step" in model_md and "OOM" in model_md and "Peak memory (MiB" in model_md
+    assert list((tmp_path / "model").glob("model_context_*.png"))
+    autotune_md = (tmp_path / "autotune" / "table.md").read_text()
+    assert "Every config tried" in autotune_md and "1024 1024 64 True torch.bfloat16" in autotune_md
+    assert (tmp_path / "autotune" / "autotune_configs.png").exists()
+    board = (tmp_path / "leaderboard" / "table.md").read_text()
+    assert "| ours (shipped) | True | 10000/1000 | abc1234 | 6.200 |" in board
+    assert "1.15×" in board  # SDPA flash 7.1 / ours 6.2, same run
+    assert "| causal_skip | True | 500/50 |" in board and "| – | – |" in board  # no SDPA row in that run
+
+
+def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
+    """Issue 11 (3): bad rows are warned about and skipped; every other problem still renders."""
+    path = write_rows(tmp_path, "flash", flash_rows()[:9])
+    with path.open("a") as f:
+        f.write('42\nnull\n{"problem": "flash", "status": "ok"}\n')
+        f.write('{"problem": "flash", "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8, '
+                '"d_head": 4, "is_causal": true, "status": "ok", "ms": "fast"}\n')
+        f.write('{"problem": "flash", "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8, '
+                '"d_head": 4, "is_causal": true, "status": "ok"}\n')
+    write_rows(tmp_path, "model", [{"impl": "naive", "status": "ok"}])  # nothing renderable
+    write_rows(tmp_path, "overhead", [dict(impl="flash_triton", mode="fwd", dtype="bf16", batch=1, n_heads=16,
+                                           seq_len=1024, d_head=64, is_causal=True, host_us=130.0, wall_ms=0.2,
+                                           **timed(0.05))])
+    assert cli.main(["report", "--out", str(tmp_path)]) == 1  # model has no valid row
+    err = capsys.readouterr().err
+    assert err.count("skipping") >= 6 and "'ms' is 'fast'" in err and "missing 'ms'" in err
+    assert "| 64 | 1024 |" in (tmp_path / "flash" / "table.md").read_text()
+    assert "| ours | 130.0 | 50.000 | 200.0 | 2.60 |" in (tmp_path / "overhead" / "table.md").read_text()
+    assert not (tmp_path / "model" / "table.md").exists()
+
+
+def test_report_asked_for_a_missing_problem_fails(tmp_path, capsys):
+    write_rows(tmp_path, "flash", flash_rows()[:3])
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "nosuch"]) == 1
+    assert "nosuch" in capsys.readouterr().err
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
+
+
+def test_smoke_rows_never_replace_gpu_cells(tmp_path):
+    """Issue 11 (2): a --smoke run into a folder of GPU rows gets its own section and plot files."""
+    gpu = [dict(impl=impl, mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=64, d_head=16, is_causal=True,
+                rep_ms=100, warmup_ms=25, **timed(ms)) for impl, ms in (("naive", 0.896), ("flash_triton", 0.5))]
+    write_rows(tmp_path, "flash", gpu)
+    assert run_cli("flash", "--smoke", "--impls", "naive", "flash_triton", "--modes", "fwd",
+                   "--out", str(tmp_path)) == 0
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
+    table = (tmp_path / "flash" / "table.md").read_text()
+    gpu_part, smoke_part = table.split("## Device: NVIDIA H200\n")[1].split("## Device: cpu --smoke")
+    assert "| 16 | 64 | 0.896 | 0.5 | 1.79× |" in gpu_part
+    assert "0.896" not in smoke_part
+    assert (tmp_path / "flash" / "flash_latency_fp32_fwd.png").exists()
+    assert list((tmp_path / "flash").glob("flash_latency_fp32_fwd_cpu--smoke.png"))

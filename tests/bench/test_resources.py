@@ -1,0 +1,48 @@
+"""`cs336-bench resources`: the real kernels compiled for sm_90a without a GPU, ptxas's report recorded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cs336_systems import flash_triton
+from cs336_systems.bench import cli
+from cs336_systems.bench import resources as resources_bench
+
+from .helpers import rows_of
+
+
+def test_smoke_resources_compiles_every_kernel_for_sm90(tmp_path):
+    """In a fresh process without TRITON_INTERPRET (this one runs the kernels through the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "cs336_systems.bench.cli", "resources", "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"
+    rows = rows_of(tmp_path, "resources")
+    assert sorted(r["kernel"] for r in rows) == sorted(flash_triton.KERNELS), rows
+    for r in rows:
+        assert r["status"] == "ok" and r["target"] == "sm_90a" and r["gpu"] == "none" and r["smoke"], r
+        assert 0 < r["registers"] <= 255 and r["shared_mem_bytes"] > 0, r
+        assert r["wgmma"] is True, f"{r['kernel']} {r['variant']}: bf16 on sm_90a should use wgmma"
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "resources"]) == 0
+    assert "| flash_fwd | " in (tmp_path / "resources" / "table.md").read_text()
+
+
+def test_resources_refuses_interpreted_kernels(tmp_path, capsys):
+    # conftest.py enabled the interpreter (no CUDA here), so the kernels cannot be compiled for a target
+    if not flash_triton.INTERPRET:
+        pytest.skip("kernels are compiled for the GPU in this session")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["resources", "--smoke", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "without TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_warps_per_sm_arithmetic():
+    # 255 registers round to 256: one 8-warp CTA (256 threads) fills the 65,536-register file
+    assert resources_bench.warps_per_sm(255, 8) == 8
+    assert resources_bench.warps_per_sm(128, 4) == 16
+    assert resources_bench.warps_per_sm(129, 4) == 12
