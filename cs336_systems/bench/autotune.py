@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from cs336_systems.bench import options, report
-from cs336_systems.bench.options import add_sized, head_dim, positive_int
+from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ FIELDS = {"kernel": str, "dtype": str, "batch": int, "n_heads": int, "seq_len": 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--seq", full=[1024, 4096, 16384], smoke=[64], help="sequence lengths", type=positive_int,
               nargs="+")
-    add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=head_dim, nargs="+")
+    add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=positive_int, nargs="+")
     add_sized(p, "--dtype", full=["bf16"], smoke=["fp32"], help="dtypes", choices=options.DTYPE_NAMES, nargs="+")
     add_sized(p, "--n-heads", full=16, smoke=1, help="heads", type=positive_int)
     p.add_argument("--batch", type=positive_int, default=1, help="batch size")
@@ -61,6 +61,7 @@ def check(args: argparse.Namespace) -> None:
     from cs336_systems.flash_triton import KERNELS
 
     options.choices_check("--wide", args.wide or [], KERNELS)
+    options.check_kernel_head_dims("--d", args.d)
 
 
 def wide_configs(name: str) -> list:

@@ -16,7 +16,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
-from cs336_systems.bench.options import add_sized, head_dim, positive_float, positive_int
+from cs336_systems.bench.options import add_sized, positive_float, positive_int
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ OK_FIELDS = {"ms": (int, float)}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--seq", full=[2**i for i in range(7, 17)], smoke=[64], help="sequence lengths",
               type=positive_int, nargs="+")
-    add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=head_dim, nargs="+")
+    add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=positive_int, nargs="+")
     add_sized(p, "--dtype", full=["bf16", "fp32"], smoke=["fp32"], help="dtypes", choices=options.DTYPE_NAMES,
               nargs="+")
     p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL",
@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     options.choices_check("--impls", args.impls, impls.names())
+    if any(impls.uses_triton(name) for name in args.impls):
+        options.check_kernel_head_dims("--d", args.d)
 
 
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:

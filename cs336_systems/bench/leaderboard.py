@@ -23,7 +23,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
-from cs336_systems.bench.options import add_sized, head_dim, positive_float, positive_int
+from cs336_systems.bench.options import add_sized, positive_float, positive_int
 from cs336_systems.bench.record import key_of
 from cs336_systems.bench.report import Output, Row
 
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--warmup-ms", full=1000, smoke=25, help="do_bench warmup, ms (the course's)", type=positive_float)
     add_sized(p, "--n-heads", full=16, smoke=2, help="heads", type=positive_int)
     add_sized(p, "--seq", full=16384, smoke=64, help="sequence length", type=positive_int)
-    add_sized(p, "--d", full=64, smoke=16, help="head dim", type=head_dim)
+    add_sized(p, "--d", full=64, smoke=16, help="head dim", type=positive_int)
     p.add_argument("--dtype", choices=options.DTYPE_NAMES, default=None,
                    help="Q/K/V dtype (default: bf16; fp32 on the CPU, which has no bf16 dots in the interpreter)")
     options.add_compile_backend_arg(p)
@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     choices = [*impls.ablation_variants(), *EXTRA_VARIANTS, "all"]
     options.choices_check("--variant", args.variant or [], choices)
+    options.check_kernel_head_dims("--d", [args.d])
 
 
 def entries(requested: list[str] | None, on_cuda: bool, with_sdpa: bool) -> list[Row]:

@@ -1,6 +1,6 @@
 """Command-line plumbing shared by every `cs336-bench` subcommand; imports nothing heavy (no torch).
 
-- argparse types that refuse bad sizes before any work (`positive_int`, `head_dim`, ...): argparse turns
+- argparse types that refuse bad sizes before any work (`positive_int`, `positive_float`, ...): argparse turns
   their ValueError/ArgumentTypeError into a usage error (exit code 2) naming the option;
 - `add_sized`: an option whose default depends on `--smoke`, declared once: the help text and the
   value the problem's `run` reads (filled in by `resolve_sized` after parsing) come from the same pair;
@@ -16,9 +16,6 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
-# The largest head dim our kernels accept (cs336_systems.flash_triton.MAX_HEAD_DIM; a test keeps the
-# two equal). Repeated here so that parsing arguments does not import torch and triton.
-KERNEL_MAX_HEAD_DIM = 128
 # CUDA compute capabilities with bf16 tensor cores that Triton 3.6 compiles for (90 = sm_90a, H100/H200).
 CUDA_ARCHES = (80, 86, 87, 89, 90, 100, 103, 120, 121)
 SIZED = "_sized_defaults"  # namespace attribute: {dest: (full-size default, --smoke default)}
@@ -45,12 +42,13 @@ def positive_float(text: str) -> float:
     return value
 
 
-def head_dim(text: str) -> int:
-    """A head dim our kernels accept: 1 ... KERNEL_MAX_HEAD_DIM."""
-    value = positive_int(text)
-    if value > KERNEL_MAX_HEAD_DIM:
-        raise argparse.ArgumentTypeError(f"our kernels support head dims up to {KERNEL_MAX_HEAD_DIM}, got {text}")
-    return value
+def check_kernel_head_dims(option: str, dims: Iterable[int]) -> None:
+    """ValueError unless our kernels accept every head dim (imports the kernels: call it from `check`)."""
+    from cs336_systems.flash_triton import MAX_HEAD_DIM
+
+    too_large = [d for d in dims if d > MAX_HEAD_DIM]
+    if too_large:
+        raise ValueError(f"{option}: our kernels support head dims up to {MAX_HEAD_DIM}, got {too_large}")
 
 
 def describe(value: Any) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import options, report
-from cs336_systems.bench.options import add_sized, head_dim, positive_int
+from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ OK_FIELDS = {"registers": int, "spill_store_bytes": int, "spill_load_bytes": int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_sized(p, "--d", full=[64], smoke=[16], help="head dims", type=head_dim, nargs="+")
+    add_sized(p, "--d", full=[64], smoke=[16], help="head dims", type=positive_int, nargs="+")
     p.add_argument("--dtype", choices=options.DTYPE_NAMES, nargs="+", default=["bf16"], help="Q/K/V dtypes")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
     add_sized(p, "--seq", full=16384, smoke=64, help="sequence length the arguments describe", type=positive_int)
@@ -58,6 +58,7 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("resources compiles the real kernels: run it without TRITON_INTERPRET=1 "
                          "(cs336_systems.flash_triton was imported in interpreter mode)")
     options.choices_check("--kernels", args.kernels or [], flash_triton.KERNELS)
+    options.check_kernel_head_dims("--d", args.d)
 
 
 def heuristic_constexprs(autotuned, args: list, constexprs: dict) -> dict:

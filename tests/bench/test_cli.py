@@ -72,7 +72,9 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["model", "--context", "0"],
     ["model", "--attention", "nosuch"],
     ["flash", "--rep-ms", "-5"],
-    ["flash", "--d", "256"],
+    ["flash", "--d", "1024"],
+    ["overhead", "--d", "1024"],
+    ["autotune", "--d", "1024"],
     ["flash", "--impls", "nosuch"],
     ["leaderboard", "--variant", "nosuch"],
     ["leaderboard", "--seq", "0"],
@@ -80,7 +82,7 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["overhead", "--impls", "flash_triton_bogus"],
     ["autotune", "--wide", "nosuch"],
     ["resources", "--d", "0"],
-    ["resources", "--d", "256"],
+    ["resources", "--d", "1024"],
     ["resources", "--arch", "0"],
 ], ids=lambda argv: " ".join(argv))
 def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
@@ -99,7 +101,10 @@ def test_unwritable_out_fails_before_measuring(tmp_path, capsys):
     assert "cannot write results" in capsys.readouterr().err
 
 
-def test_kernel_head_dim_limit_matches_the_kernels():
+def test_head_dims_past_the_kernels_limit_are_refused(tmp_path, capsys):
     from cs336_systems.flash_triton import MAX_HEAD_DIM
 
-    assert options.KERNEL_MAX_HEAD_DIM == MAX_HEAD_DIM
+    with pytest.raises(SystemExit) as exc:
+        run_cli("leaderboard", "--smoke", "--d", str(MAX_HEAD_DIM + 1), "--out", str(tmp_path))
+    assert exc.value.code == 2 and f"head dims up to {MAX_HEAD_DIM}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
