@@ -280,7 +280,7 @@ def main():
                     best[design] = (ms, configs)
 
         time_all(job_list)
-        extra = dq_jobs(plan, {d: c["kv"] for d, (_, c) in best.items()})
+        extra = dq_jobs(plan, {d: c["kv"] for d, (_, c) in best.items() if "kv" in c})
         failed.update(precompile(extra, shape, args.workers))
         time_all(extra)
 
