@@ -24,10 +24,22 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from cs336_systems.bench import attention, autotune, flash, leaderboard, model, options, overhead, report, resources
+from cs336_systems.bench import (
+    allreduce,
+    attention,
+    autotune,
+    ddp,
+    flash,
+    leaderboard,
+    model,
+    options,
+    overhead,
+    report,
+    resources,
+)
 
 PROBLEMS: dict[str, ModuleType] = {
-    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources)
+    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources, allreduce, ddp)
 }
 DEFAULT_OUT = Path("runs")
 

@@ -1,0 +1,71 @@
+"""`cs336-bench allreduce`: a Gloo smoke run on the CPU (2 spawned ranks), the run plan per host, report."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cs336_systems.bench import allreduce
+
+from .helpers import check_report, rows_of, run_cli, timed, write_rows
+
+
+def test_smoke_allreduce(tmp_path):
+    assert run_cli("allreduce", "--smoke", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "allreduce")
+    assert [(r["backend"], r["world_size"], r["size_mb"]) for r in rows] == [("gloo", 2, 0.25), ("gloo", 2, 1)]
+    for r in rows:
+        assert r["status"] == "ok" and r["smoke"] is True and r["device"] == "cpu"
+        assert (r["iters"], r["warmup_iters"], r["n_timed"]) == (2, 1, 2)
+        assert r["bytes"] == r["size_mb"] * 10**6
+        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"]
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 for two ranks
+        assert len(r["rank_median_ms"]) == 2 and max(r["rank_median_ms"]) <= r["ms_p80"] + 1e-9
+    # --resume: every measurement is done, so nothing is spawned and nothing written.
+    assert run_cli("allreduce", "--smoke", "--resume", "--out", str(tmp_path)) == 0
+    assert len(rows_of(tmp_path, "allreduce")) == 2
+    table = check_report(tmp_path, "allreduce")
+    assert "| gloo | 2 |" in table
+
+
+def namespace(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"backends": None, "world_sizes": None, "smoke": False, **kw})
+
+
+def test_plan_follows_the_host(monkeypatch):
+    monkeypatch.setattr(allreduce, "gpu_count", lambda: 2)
+    assert allreduce.plan(namespace()) == [("nccl", 2), ("gloo", 2), ("gloo", 4), ("gloo", 6)]
+    assert allreduce.plan(namespace(backends=["gloo"], world_sizes=[6, 2])) == [("gloo", 6), ("gloo", 2)]
+    with pytest.raises(ValueError, match="2 GPU"):
+        allreduce.plan(namespace(backends=["nccl"], world_sizes=[2, 4]))
+    with pytest.raises(ValueError, match="at least 2"):
+        allreduce.plan(namespace(backends=["gloo"], world_sizes=[1]))
+    monkeypatch.setattr(allreduce, "gpu_count", lambda: 0)
+    assert allreduce.plan(namespace(smoke=True)) == [("gloo", 2)]
+    with pytest.raises(ValueError, match="0 GPU"):
+        allreduce.plan(namespace(backends=["nccl"]))
+
+
+def test_nccl_without_gpus_is_a_usage_error(monkeypatch):
+    monkeypatch.setattr(allreduce, "gpu_count", lambda: 0)
+    with pytest.raises(SystemExit) as exc:
+        run_cli("allreduce", "--smoke", "--backends", "nccl")
+    assert exc.value.code == 2
+
+
+def test_render_rows(tmp_path):
+    base = dict(impl="nccl", mode="all_reduce", dtype="fp32", backend="nccl", device="cuda", iters=10,
+                warmup_iters=5)
+    write_rows(tmp_path, "allreduce", [
+        {**base, "world_size": 2, "size_mb": 1, **timed(0.05), "algbw_gbps": 20.0, "busbw_gbps": 20.0,
+         "rank_median_ms": [0.049, 0.05]},
+        {**base, "world_size": 2, "size_mb": 1000, **timed(3.0), "algbw_gbps": 333.3, "busbw_gbps": 333.3,
+         "rank_median_ms": [2.9, 3.0]},
+        {**base, "impl": "gloo", "backend": "gloo", "device": "cpu", "world_size": 4, "size_mb": 1,
+         "status": "error: WorkerError: rank 1 raised"},
+    ])
+    table = check_report(tmp_path, "allreduce")
+    assert "| nccl | 2 | 0.05 ms, 20.000 GB/s | 3.000 ms, 333.3 GB/s |" in table
+    assert "| gloo | 4 | error | – |" in table
