@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 NAME = "attention"
 HELP = "naive attention fwd/bwd latency and memory over d x seq (pytorch_attention, torch_compile a)"
 MODES = ("fwd", "bwd")
+D_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")  # by head dim
 FIELDS = {"mode": str, "dtype": str, "batch": int, "seq_len": int, "d_head": int, "is_causal": bool}
 OK_FIELDS = {"ms": (int, float)}
 
@@ -119,12 +120,15 @@ def render(rows: list[Row], out: Output) -> list[str]:
             f"## Attention latency (ms, median over iterations), {report.subtitle(group_fields, key)}\n\n"
             + report.pivot(group, ("d_head", "seq_len"), columns, report.ms_cell, extra)
         )
-        fig, axes = report.new_figure(3, cols=3, height=3.4)
+        dims = report.distinct(group, "d_head")
+        fig, axes = report.new_figure(3, cols=3, height=3.8)
         for ax, (mode, field, ylabel) in zip(axes, (("fwd", "ms", "ms"), ("bwd", "ms", "ms"),
                                                     ("bwd", "mem_before_bwd_mb", "MiB"))):
             report.line_plot(ax, [r for r in group if r["mode"] == mode], "seq_len",
                              lambda r: f"{report.impl_label(r['impl'])} d={r['d_head']}",
-                             lambda r, f=field: r.get(f), label=str)
+                             lambda r, f=field: r.get(f), label=str, legend=ax is axes[0],
+                             color=lambda r: D_COLORS[dims.index(r["d_head"]) % len(D_COLORS)],
+                             linestyle=lambda r: "--" if "compiled" in r["impl"] else "-")
             report.log_axes(ax, "sequence length", ylabel)
             ax.set_title("memory allocated before backward" if field != "ms" else f"{mode} time (lower is better)",
                          fontsize=10)

@@ -289,18 +289,20 @@ def render(rows: list[Row], out: Output) -> list[str]:
 
 def _plot(kernels: list[Row], shape: tuple[str, ...], out: Output) -> None:
     names = report.distinct(kernels, "kernel")
-    fig, axes = report.new_figure(max(len(names), 1), cols=1, height=3.4)
+    fig, axes = report.new_figure(max(len(names), 1), cols=1, height=3.4, width=report.FIGURE_WIDTH)
     for ax, name in zip(axes, names):
         sel = report.sort_rows([r for r in kernels if r["kernel"] == name and r["status"] == "ok"], shape)
         labels = [f"{r['dtype']} d{r['d_head']} s{r['seq_len']}" + _wide_label(r, name) for r in sel]
+        ratios = []
         for i, r in enumerate(sel):
-            tried = [c["ms"] for c in r.get("configs") or [] if c.get("ms") and math.isfinite(c["ms"])]
-            if tried and r.get("ms"):
-                ax.scatter([i] * len(tried), [t / r["ms"] for t in tried], s=10, alpha=0.6, color="#1f77b4",
-                           label="a config tried" if i == 0 else None)
+            tried = [c["ms"] / r["ms"] for c in r.get("configs") or []
+                     if c.get("ms") and math.isfinite(c["ms"]) and r.get("ms")]
+            ax.scatter([i] * len(tried), tried, s=10, alpha=0.6, color="#1f77b4",
+                       label="a config tried" if i == 0 else None)
             ax.scatter([i], [1.0], marker="*", s=60, color="#d62728", label="chosen" if i == 0 else None)
+            ratios += tried
         ax.set_xticks(range(len(sel)), labels, rotation=60, ha="right", fontsize=7)
-        report.speedup_axis(ax, "time / chosen config's")
+        report.speedup_axis(ax, "time / chosen config's", ratios)
         ax.set_title(f"{name} (lower is better)", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(True, alpha=0.3)

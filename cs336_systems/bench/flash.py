@@ -16,7 +16,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
-from cs336_systems.bench.options import add_sized, positive_float, positive_int
+from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -44,15 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="passes to time")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
-    p.add_argument("--warmup-ms", type=positive_float, default=25, help="do_bench warm-up time (ms)")
-    p.add_argument("--rep-ms", type=positive_float, default=100, help="do_bench repetition time (ms)")
+    options.add_do_bench_args(p)
     options.add_compile_backend_arg(p)
 
 
 def check(args: argparse.Namespace) -> None:
-    options.choices_check("--impls", args.impls, impls.names())
-    if any(impls.uses_triton(name) for name in args.impls):
-        options.check_kernel_head_dims("--d", args.d)
+    impls.check_names("--impls", args.impls, args.d)
 
 
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:

@@ -186,6 +186,15 @@ def build(name: str, setup: Setup) -> Attention:
     )
 
 
+def check_names(option: str, requested: list[str], head_dims: list[int]) -> None:
+    """ValueError naming `option` for an unknown name, or a head dim our kernels refuse when one runs them."""
+    from cs336_systems.bench.options import check_kernel_head_dims, choices_check
+
+    choices_check(option, requested, names())
+    if any(uses_triton(name) for name in requested):
+        check_kernel_head_dims("--d", head_dims)
+
+
 def uses_triton(name: str) -> bool:
     """Whether `name` runs our Triton kernels (so cannot be torch.compile'd under the interpreter)."""
     return parse(name)[0].triton

@@ -221,7 +221,8 @@ def render(rows: list[Row], out: Output) -> list[str]:
 def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: tuple) -> None:
     from matplotlib.patches import Patch
 
-    fig, axes = report.new_figure(len(modes), cols=1, height=0.45 * len(group) / max(len(modes), 1) + 1.6)
+    fig, axes = report.new_figure(len(modes), cols=1, height=0.45 * len(group) / max(len(modes), 1) + 1.6,
+                                  width=report.FIGURE_WIDTH)
     for ax, mode in zip(axes, modes):
         bars = sorted((r for r in group if r["mode"] == mode and report.ok(r)), key=order)
         ys = list(range(len(bars)))
@@ -237,6 +238,7 @@ def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: t
         ax.set_yticks(ys, [label(r) for r in bars], fontsize=8)
         ax.invert_yaxis()
         ax.set_xscale("log")
+        report.plain_ticks(ax.xaxis)
         if ms:
             ax.set_xlim(min(ms) / 1.5, max(ms) * 2.5)
         ax.set_xlabel("ms (median, p20–p80; log scale; lower is better)")
@@ -249,4 +251,6 @@ def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: t
                    if any(r["impl"] == x for r in bars)]
         ax.legend(handles=legend, fontsize=8, loc="lower right")
         ax.grid(True, axis="x", alpha=0.3)
-    out.save(fig, report.slug("leaderboard", *key), f"leaderboard harness, {report.subtitle(fields, key)}")
+    dtype, batch, heads, seq, d, causal = key
+    title = f"leaderboard harness: {dtype}, {batch} × {heads} × {seq} × {d}{', causal' if causal else ''}"
+    out.save(fig, report.slug("leaderboard", *key), title)

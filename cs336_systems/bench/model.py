@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     args.attention = [ALIASES.get(a, a) for a in args.attention]
-    options.choices_check("--attention", args.attention, impls.names())
+    impls.check_names("--attention", args.attention, [])
 
 
 @contextmanager

@@ -95,6 +95,11 @@ def add_compile_backend_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_do_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup-ms", type=positive_float, default=25, help="do_bench warm-up time (ms)")
+    p.add_argument("--rep-ms", type=positive_float, default=100, help="do_bench repetition time (ms)")
+
+
 def compile_backend(args: argparse.Namespace, on_cuda: bool) -> str:
     """Inductor, except on the CPU, where aot_eager exercises dynamo/AOTAutograd without a C++ build."""
     if args.compile_backend is not None:

@@ -20,7 +20,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
-from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
+from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -47,15 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--iters", full=200, smoke=3, help="calls timed for host_us and wall_ms", type=positive_int)
     add_sized(p, "--warmup", full=20, smoke=1, help="untimed calls first (autotuning, compiling)",
               type=nonnegative_int)
-    p.add_argument("--warmup-ms", type=positive_float, default=25, help="do_bench warm-up time (ms)")
-    p.add_argument("--rep-ms", type=positive_float, default=100, help="do_bench repetition time (ms)")
+    options.add_do_bench_args(p)
     options.add_compile_backend_arg(p)
 
 
 def check(args: argparse.Namespace) -> None:
-    options.choices_check("--impls", args.impls, impls.names())
-    if any(impls.uses_triton(name) for name in args.impls):
-        options.check_kernel_head_dims("--d", [args.d])
+    impls.check_names("--impls", args.impls, [args.d])
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

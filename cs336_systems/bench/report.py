@@ -6,7 +6,8 @@ and label per implementation) and the loop over problems. Rows sharing a measure
 latest ok row (else the latest row, so OOM / unsupported / error cells still show); non-ok cells print
 their status. Rows of different devices (and --smoke rows) are never mixed: each device gets its own
 section, and its plots a file-name suffix after the first device's. Rows that do not match the
-problem's schema are skipped with a warning; the other rows and problems still render.
+problem's schema are skipped with a warning; the other rows and problems still render. The exit code
+is 1 only when a problem named in --problems has no valid rows.
 """
 
 from __future__ import annotations
@@ -49,19 +50,16 @@ PANEL_HEIGHT = 3.6
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs"), help="output root holding <problem>/metrics.jsonl")
     p.add_argument("--problems", nargs="+", default=None,
-                   help="problems to render (default: every <problem>/metrics.jsonl found)")
+                   help="problems to render (default: every cs336-bench problem with a metrics.jsonl; another "
+                        "folder's rows, when named, get a plain table)")
 
 
 def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
-    """Render every requested problem; exit code 1 when a requested problem has no rows."""
+    """Render every problem found (or named); exit code 1 when a problem named in --problems has no valid rows."""
     import matplotlib
 
     matplotlib.use("Agg")
-    order = list(problems)
-    found = sorted(
-        (d.name for d in args.out.glob("*") if (d / "metrics.jsonl").exists()),
-        key=lambda p: (order.index(p) if p in order else len(order), p),
-    )
+    found = [p for p in problems if (args.out / p / "metrics.jsonl").exists()]
     requested = args.problems or found
     missing = []
     for problem in requested:
@@ -70,7 +68,8 @@ def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
         rows = valid_rows(read_rows(path), module, path)
         if not rows:
             print(f"report: no valid rows in {path}", file=sys.stderr)
-            missing.append(problem)
+            if args.problems:
+                missing.append(problem)
             continue
         render = module.render if module is not None else render_generic
         sections, plots = [], []
@@ -104,7 +103,7 @@ def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
 
 def problem_of_row(row: Row, module: ModuleType | None) -> str | None:
     """Why `row` cannot be rendered (missing or mistyped field), or None when it can."""
-    fields = {**BASE_FIELDS, **getattr(module, "FIELDS", {})}
+    fields = {**BASE_FIELDS, **getattr(module, "FIELDS", {})} if module is not None else {"status": str}
     if row.get("status") == "ok":
         fields.update(getattr(module, "OK_FIELDS", {}))
     for field, kind in fields.items():
@@ -118,14 +117,19 @@ def problem_of_row(row: Row, module: ModuleType | None) -> str | None:
     return None
 
 
-def valid_rows(rows: list[Row], module: ModuleType | None, path: Path) -> list[Row]:
-    kept = []
+def valid_rows(rows: list[Row], module: ModuleType | None, path: Path, shown: int = 3) -> list[Row]:
+    """The rows `render` can use; the others are counted and the first few shown on stderr."""
+    kept, skipped = [], 0
     for r in rows:
         reason = problem_of_row(r, module)
         if reason is None:
             kept.append(r)
-        else:
+            continue
+        skipped += 1
+        if skipped <= shown:
             print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
+    if skipped > shown:
+        print(f"warning: {path}: skipped {skipped} rows in all", file=sys.stderr)
     return kept
 
 
@@ -349,13 +353,13 @@ class Output:
         return path
 
 
-def new_figure(n_panels: int, cols: int = 2, height: float = PANEL_HEIGHT):
-    """A page-wide figure of `n_panels` axes, `cols` per row."""
+def new_figure(n_panels: int, cols: int = 2, height: float = PANEL_HEIGHT, width: float | None = None):
+    """A page-wide figure of `n_panels` axes, `cols` per row (one narrower panel when alone)."""
     import matplotlib.pyplot as plt
 
     cols = max(1, min(n_panels, cols))
     rows = math.ceil(n_panels / cols)
-    width = FIGURE_WIDTH if cols > 1 else FIGURE_WIDTH * 0.6
+    width = width or (FIGURE_WIDTH if cols > 1 else FIGURE_WIDTH * 0.6)
     fig, axes = plt.subplots(rows, cols, figsize=(width, height * rows), squeeze=False)
     flat = list(axes.flat)
     for ax in flat[n_panels:]:
@@ -366,14 +370,17 @@ def new_figure(n_panels: int, cols: int = 2, height: float = PANEL_HEIGHT):
 def line_plot(
     ax, rows: list[Row], x: str, series: Callable[[Row], str], y: Callable[[Row], float | None],
     color: Callable[[Row], str] | None = None, label: Callable[[str], str] = impl_label,
+    linestyle: Callable[[Row], str] | None = None, legend: bool = True,
 ) -> None:
     """One line per series over ok rows; the legend notes where a series hits OOM."""
     points: dict[str, list[tuple[float, float]]] = {}
     colors: dict[str, str | None] = {}
+    styles: dict[str, str] = {}
     oom_from: dict[str, float] = {}
     for r in rows:
         name = series(r)
         colors.setdefault(name, color(r) if color else None)
+        styles.setdefault(name, linestyle(r) if linestyle else "-")
         if r.get("status") == "oom" and r.get(x) is not None:
             oom_from[name] = min(oom_from.get(name, math.inf), r[x])
             points.setdefault(name, [])
@@ -384,8 +391,9 @@ def line_plot(
     for name, pts in points.items():
         pts.sort()
         text = label(name) + (f" (OOM from {oom_from[name]:g})" if name in oom_from else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, label=text, color=colors[name])
-    if points:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, label=text, color=colors[name],
+                ls=styles[name])
+    if points and legend:
         ax.legend(fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
 
@@ -407,6 +415,15 @@ def log_axes(ax, xlabel: str, ylabel: str, log_y: bool = True) -> None:
     ax.minorticks_off()
     if log_y:
         ax.set_yscale("log")
+        plain_ticks(ax.yaxis)
+
+
+def plain_ticks(axis) -> None:
+    """Log-axis labels as plain numbers (0.1, 1, 10, 100) rather than powers of ten."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def log_if_spread(ax, values: Iterable[float], axis: str = "y", spread: float = 20.0) -> None:
@@ -414,14 +431,15 @@ def log_if_spread(ax, values: Iterable[float], axis: str = "y", spread: float = 
     positive = [v for v in values if v and v > 0]
     if positive and max(positive) / min(positive) > spread:
         (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+        plain_ticks(ax.yaxis if axis == "y" else ax.xaxis)
 
 
-def speedup_axis(ax, ylabel: str = "speedup") -> None:
-    """Log-2 y axis with plain ticks (0.5×, 1×, 2×) and a line at 1×."""
+def speedup_axis(ax, ylabel: str = "speedup", values: Iterable[float] = ()) -> None:
+    """Log-2 y axis with plain ticks (0.5×, 1×, 2×) and a line at 1×, spanning the lines' y and `values`."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     ax.set_yscale("log", base=2)
-    ys = [y for line in ax.lines for y in line.get_ydata()] or [1.0]
+    ys = [y for line in ax.lines for y in line.get_ydata()] + [v for v in values if v > 0]
     low, high = math.floor(math.log2(min(ys + [1.0]))), math.ceil(math.log2(max(ys + [1.0])))
     ax.set_ylim(2.0 ** low / 1.15, 2.0 ** high * 1.15)
     ax.yaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(low, high + 1)]))
