@@ -148,15 +148,24 @@ class SwiGLU(nn.Module):
         return self.w2(gate * torch.sigmoid(gate) * self.w3(x))  # (..., d_model)
 
 
+ATTENTION_IMPLS = ("reference", "flash")
+
+
 class CausalMultiHeadSelfAttention(nn.Module):
-    """Causal MHSA; attention goes through the module-level `scaled_dot_product_attention`."""
+    """Causal MHSA. attention="reference" goes through the module-level `scaled_dot_product_attention`
+    (materialized scores, swappable); "flash" through `cs336_systems.flash_attention` (FlashAttention-2
+    in Triton, a custom op under torch.compile; the tiled PyTorch version on a CPU)."""
 
     def __init__(
-        self, d_model: int, num_heads: int, rope: RotaryEmbedding | None = None, device=None, dtype=None
+        self, d_model: int, num_heads: int, rope: RotaryEmbedding | None = None, device=None, dtype=None,
+        attention: str = "reference",
     ) -> None:
         super().__init__()
         if num_heads <= 0 or d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_IMPLS}")
+        self.attention = attention
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_head = d_model // num_heads
@@ -182,8 +191,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 token_positions = token_positions.unsqueeze(-2)  # (batch, 1, seq): broadcast over heads
             q = self.rope(q, token_positions)
             k = self.rope(k, token_positions)
-        mask = causal_mask(seq_len, seq_len, device=x.device)  # (seq, seq)
-        out = scaled_dot_product_attention(q, k, v, mask=mask)  # (batch, heads, seq, d_head)
+        if self.attention == "flash":
+            from cs336_systems.flash_triton import flash_attention
+
+            out = flash_attention(q, k, v, is_causal=True)  # (batch, heads, seq, d_head)
+        else:
+            mask = causal_mask(seq_len, seq_len, device=x.device)  # (seq, seq)
+            out = scaled_dot_product_attention(q, k, v, mask=mask)  # (batch, heads, seq, d_head)
         return self.output_proj(rearrange(out, "... h s d -> ... s (h d)"))  # (batch, seq, d_model)
 
 
@@ -191,11 +205,13 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(ln1(x)), then x + ffn(ln2(x))."""
 
     def __init__(
-        self, d_model: int, num_heads: int, d_ff: int, rope: RotaryEmbedding | None = None, device=None, dtype=None
+        self, d_model: int, num_heads: int, d_ff: int, rope: RotaryEmbedding | None = None, device=None, dtype=None,
+        attention: str = "reference",
     ) -> None:
         super().__init__()
         self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope, device=device, dtype=dtype)
+        self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope, device=device, dtype=dtype,
+                                                 attention=attention)
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
@@ -218,6 +234,7 @@ class BasicsTransformerLM(nn.Module):
         rope_theta: float = 10000.0,
         device=None,
         dtype=None,
+        attention: str = "reference",
     ) -> None:
         super().__init__()
         for name, value in [
@@ -240,7 +257,8 @@ class BasicsTransformerLM(nn.Module):
         rope = RotaryEmbedding(rope_theta, d_head, context_length, device=device)  # shared by all layers
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype) for _ in range(num_layers)
+            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention)
+            for _ in range(num_layers)
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
@@ -254,6 +272,7 @@ class BasicsTransformerLM(nn.Module):
         rope_theta: float = 10000.0,
         device=None,
         dtype=None,
+        attention: str = "reference",
     ) -> BasicsTransformerLM:
         """Build from a `MODEL_CONFIGS` name (e.g. "small") or a `ModelConfig`."""
         if isinstance(name_or_config, str):
@@ -272,6 +291,7 @@ class BasicsTransformerLM(nn.Module):
             rope_theta=rope_theta,
             device=device,
             dtype=dtype,
+            attention=attention,
         )
 
     def forward(self, in_indices: torch.Tensor) -> torch.Tensor:

@@ -6,16 +6,17 @@ exactly one (..., Nq) fp32 tensor, the logsumexp L, beside Q, K, V and O.
 
 The backward is one plain function (equations 13-19 of the handout, D = rowsum(dO * O)) run
 under `torch.compile`; `flash_backward_compiled` is shared with the Triton ablation variant that
-keeps a PyTorch backward.
+keeps a PyTorch backward, and both serve as the Triton op's fallback on a CPU without the
+interpreter. Causally hidden scores are excluded exactly (-inf), as SDPA does. The backward is not
+itself differentiable (double backward raises).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cs336_systems.validation import check_attention_inputs
+from cs336_systems.validation import check_attention_inputs, refuse_double_backward
 
-MASKED_SCORE = -1e6  # what a causally hidden score is set to (the course's convention)
 Q_TILE_SIZE = 64
 K_TILE_SIZE = 64
 
@@ -29,12 +30,12 @@ def _causal_keep(q_start: int, n_q: int, k_start: int, n_k: int, device: torch.d
 
 def flash_forward_tiled(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool,
-    q_tile: int = Q_TILE_SIZE, k_tile: int = K_TILE_SIZE,
+    q_tile: int = Q_TILE_SIZE, k_tile: int = K_TILE_SIZE, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward. Q (..., Nq, D), K/V (..., Nk, D) -> O (..., Nq, D) in Q's dtype, L (..., Nq) fp32."""
     n_q, d = Q.shape[-2], Q.shape[-1]
     n_k = K.shape[-2]
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     O = torch.empty_like(Q)
     L = torch.empty(Q.shape[:-1], device=Q.device, dtype=torch.float32)
     for q_start in range(0, n_q, q_tile):
@@ -50,7 +51,7 @@ def flash_forward_tiled(
             s = q @ k.transpose(-1, -2) * scale                         # (..., Bq, Bk)
             if is_causal and k_start + k.shape[-2] - 1 > q_start:       # tile crosses the diagonal
                 keep = _causal_keep(q_start, bq, k_start, k.shape[-2], Q.device)
-                s = torch.where(keep, s, MASKED_SCORE)
+                s = torch.where(keep, s, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             p = torch.exp(s - m_new[..., None])                         # (..., Bq, Bk)
             alpha = torch.exp(m - m_new)
@@ -64,15 +65,15 @@ def flash_forward_tiled(
 
 def flash_backward(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor,
-    L: torch.Tensor, is_causal: bool,
+    L: torch.Tensor, is_causal: bool, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward by recomputation (handout eqs. 13-19), in fp32, gradients in the inputs' dtype."""
-    scale = Q.shape[-1] ** -0.5
+    scale = Q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, o, do = (t.float() for t in (Q, K, V, O, dO))
     S = q @ k.transpose(-1, -2) * scale                                 # (..., Nq, Nk)
     if is_causal:
         keep = _causal_keep(0, Q.shape[-2], 0, K.shape[-2], Q.device)
-        S = torch.where(keep, S, MASKED_SCORE)
+        S = torch.where(keep, S, float("-inf"))
     P = torch.exp(S - L[..., None])                                     # (..., Nq, Nk)
     D = (do * o).sum(dim=-1, keepdim=True)                              # (..., Nq, 1)
     dV = P.transpose(-1, -2) @ do
@@ -91,7 +92,7 @@ class FlashAttention2Pytorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q, K, V, is_causal=False):
-        check_attention_inputs(Q, K, V, is_causal)
+        is_causal = check_attention_inputs(Q, K, V, is_causal)
         O, L = flash_forward_tiled(Q, K, V, is_causal)
         ctx.save_for_backward(L, Q, K, V, O)
         ctx.is_causal = is_causal
@@ -99,6 +100,7 @@ class FlashAttention2Pytorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dO):
+        refuse_double_backward("FlashAttention2Pytorch")
         L, Q, K, V, O = ctx.saved_tensors
         dQ, dK, dV = flash_backward_compiled(Q, K, V, O, dO, L, ctx.is_causal)
         return dQ, dK, dV, None

@@ -6,19 +6,45 @@ that names the problem, instead of garbage output or a crash inside a kernel.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_attention_inputs(q: object, k: object, v: object, is_causal: object) -> None:
-    """Check q (..., Nq, D), k (..., Nk, D), v (..., Nk, D) and the causal flag."""
+def check_flag(name: str, value: object) -> bool:
+    """A Python or NumPy bool, returned as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_scale(scale: object, d: int) -> float:
+    """The softmax scale: None means 1/sqrt(d); otherwise a positive finite number."""
+    if scale is None:
+        return d ** -0.5
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    return scale
+
+
+def check_attention_inputs(q: object, k: object, v: object, is_causal: object, enable_gqa: object = False) -> bool:
+    """Check q (..., Nq, D), k (..., Nk, D), v (..., Nk, D) and the flags; return is_causal as a bool.
+
+    With `enable_gqa`, q is (..., Hq, Nq, D) and k, v are (..., Hkv, Nk, D) with Hkv dividing Hq
+    (grouped-query attention, as in `F.scaled_dot_product_attention(enable_gqa=True)`).
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: float32, float16, bfloat16")
@@ -31,17 +57,32 @@ def check_attention_inputs(q: object, k: object, v: object, is_causal: object) -
             "q, k, v must have the same number of dimensions (..., seq, d) with at least 2, "
             f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape[:-2] != k.shape[:-2] or q.shape[:-2] != v.shape[:-2]:
-        raise ValueError(
-            "batch dimensions of q, k, v differ: "
-            f"{tuple(q.shape[:-2])}, {tuple(k.shape[:-2])}, {tuple(v.shape[:-2])}"
-        )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v lengths differ: k has {k.shape[-2]} keys, v has {v.shape[-2]} values")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"batch dimensions of k and v differ: {tuple(k.shape[:-2])} vs {tuple(v.shape[:-2])}")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}")
+    lead = -3 if enable_gqa else -2
+    if enable_gqa and q.ndim < 3:
+        raise ValueError(f"enable_gqa needs (..., heads, seq, d) inputs, got {q.ndim} dimensions")
+    if q.shape[:lead] != k.shape[:lead]:
+        raise ValueError(
+            f"batch dimensions of q and k, v differ: {tuple(q.shape[:lead])} vs {tuple(k.shape[:lead])}")
+    if enable_gqa and q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"enable_gqa: k, v heads ({k.shape[-3]}) must divide q heads ({q.shape[-3]})")
     if q.shape[-1] < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
         raise ValueError(
             f"head dim and sequence lengths must be at least 1, got Nq={q.shape[-2]}, "
             f"Nk={k.shape[-2]}, d={q.shape[-1]}"
         )
+    return is_causal
+
+
+def refuse_double_backward(name: str) -> None:
+    """Raise in a backward asked to build a graph (create_graph=True): ours is not differentiable."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}'s backward is not differentiable (double backward, e.g. a gradient penalty through "
+            "attention, is not supported); use the materialized reference attention for that")

@@ -7,25 +7,12 @@ TRITON_INTERPRET=1), so they are executed, never skipped. Every test name starts
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from cs336_basics.model import causal_mask, scaled_dot_product_attention
-
 from .adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
-
-
-def reference_attention(q, k, v, is_causal=False):
-    """The materialized reference (cs336_basics) and its logsumexp, masked scores at -1e6."""
-    mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device) if is_causal else None
-    o = scaled_dot_product_attention(q, k, v, mask=mask)
-    s = q.to(torch.promote_types(q.dtype, torch.float32))  # -1e6 overflows fp16
-    s = s @ k.to(s.dtype).transpose(-1, -2) / q.shape[-1] ** 0.5
-    if mask is not None:
-        s = torch.where(mask, s, -1e6)
-    return o, torch.logsumexp(s, dim=-1)
+from .helpers import DEVICE, check_against_float64, make_inputs, max_err, reference_attention, rel_err, run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,8 +87,8 @@ IMPLS = {
 }
 IMPL_DEVICE = {"pytorch": "cpu", "triton": DEVICE}
 
-# (dtype, rule): fp32 must land within the course's 1e-2 (the GPU's dots use tf32, about 1e-3
-# relative); bf16 and fp16 follow the flash-attention rule, error <= 2x PyTorch's in that dtype.
+# (dtype, rule): fp32 must land within the course's 1e-2 (IEEE dots at the default "highest" matmul
+# precision, TF32 at "high"); bf16 and fp16 follow the flash-attention rule, error <= 2x PyTorch's.
 FP32_RULE = ("abs", 1e-2)
 DTYPE_CASES = [
     pytest.param(torch.float32, FP32_RULE, id="fp32"),
@@ -118,60 +105,22 @@ SHAPES = [  # (batch, Nq, Nk, D)
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 
-def _inputs(shape, dtype, device, scale=1.0, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    b, nq, nk, d = shape
-    q = torch.randn(b, nq, d, generator=gen, dtype=torch.float64) * scale
-    k = torch.randn(b, nk, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(b, nk, d, generator=gen, dtype=torch.float64)
-    do = torch.randn(b, nq, d, generator=gen, dtype=torch.float64)
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
-
-
-def _run(fn, q, k, v, do, is_causal):
-    """Output and grads of fn on leaf copies of q, k, v."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fn(q, k, v, is_causal)
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
-
-
-def _max_err(x, ref):
-    return (x.double() - ref.double()).abs().max().item()
-
-
-def _check_against_float64(ours, q, k, v, do, is_causal, rule):
-    """ours = (o, dq, dk, dv) computed in q's dtype; compare with float64 per the dtype's rule."""
-    exact = _run(lambda *a: reference_attention(*a)[0], *(t.double() for t in (q, k, v, do)), is_causal)
-    torch_same_dtype = _run(lambda *a: reference_attention(*a)[0], q, k, v, do, is_causal)
-    kind, bound = rule
-    for name, x, ref, base in zip(("O", "dQ", "dK", "dV"), ours, exact, torch_same_dtype):
-        assert torch.isfinite(x).all(), f"{name} has non-finite values"
-        err = _max_err(x, ref)
-        if kind == "abs":
-            assert err <= bound, f"{name}: max |ours - fp64| = {err:.3g} > {bound:g}"
-        else:
-            base_err = _max_err(base, ref)
-            assert err <= bound * base_err + 1e-5, (
-                f"{name}: max |ours - fp64| = {err:.3g} > {bound:g} x PyTorch {q.dtype} error {base_err:.3g}")
-
-
 @pytest.mark.parametrize("impl", ["pytorch", "triton"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("dtype,rule", DTYPE_CASES)
 def test_flash_matches_float64(impl, shape, is_causal, dtype, rule):
-    q, k, v, do = _inputs(shape, dtype, IMPL_DEVICE[impl])
-    ours = _run(IMPLS[impl]().apply, q, k, v, do, is_causal)
-    _check_against_float64(ours, q, k, v, do, is_causal, rule)
+    q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
+    ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, rule)
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_flash_triton_peaked_logits(is_causal):
     """Scores with a spread of ~30 (q scaled 30x): the online softmax must not overflow or lose the peak."""
-    q, k, v, do = _inputs((1, 100, 90, 64), torch.bfloat16, DEVICE, scale=30.0, seed=1)
-    ours = _run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
-    _check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0))
+    q, k, v, do = make_inputs((1, 100, 90, 64), torch.bfloat16, DEVICE, scale=30.0, seed=1)
+    ours = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0))
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
@@ -185,23 +134,35 @@ def test_flash_triton_strided_inputs_and_expanded_grad(is_causal):
     q, k, v = q_bshd.transpose(1, 2), k_big[:, :, ::2], v_wide[..., :d]
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     do = torch.ones(b, h, s, d, device=DEVICE)
-    ours = _run(IMPLS["triton"]().apply, q, k, v, do.expand_as(q), is_causal)
+    ours = run(IMPLS["triton"]().apply, q, k, v, do.expand_as(q), is_causal)
     # through o.sum().backward(), which hands the kernel an expanded dO
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     IMPLS["triton"]().apply(*leaves, is_causal).sum().backward()
     for name, x, y in zip(("dQ", "dK", "dV"), ours[1:], (t.grad for t in leaves)):
         # the stride-0 dO compiles to its own kernel specialization: equal up to tf32 rounding
-        assert _max_err(x, y) <= 1e-3, f"{name} from o.sum().backward() differs by {_max_err(x, y):.3g}"
-    _check_against_float64(ours, q, k, v, do, is_causal, FP32_RULE)
+        assert max_err(x, y) <= 1e-3, f"{name} from o.sum().backward() differs by {max_err(x, y):.3g}"
+    check_against_float64(ours, q, k, v, do, is_causal, FP32_RULE)
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_flash_triton_backward_is_deterministic(is_causal):
-    q, k, v, do = _inputs((2, 96, 80, 32), torch.bfloat16, DEVICE, seed=3)
-    first = _run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
-    second = _run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
+    q, k, v, do = make_inputs((2, 96, 80, 32), torch.bfloat16, DEVICE, seed=3)
+    first = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
+    second = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
     for name, x, y in zip(("O", "dQ", "dK", "dV"), first, second):
-        assert torch.equal(x, y), f"{name} differs between two identical runs: max diff {_max_err(x, y):.3g}"
+        assert torch.equal(x, y), f"{name} differs between two identical runs: max diff {max_err(x, y):.3g}"
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("dtype,rule", DTYPE_CASES[:2])
+def test_flash_atomic_backward_matches_float64(shape, is_causal, dtype, rule):
+    """deterministic=False: the single-pass backward that adds dQ with fp32 atomics."""
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k, v, do = make_inputs(shape, dtype, DEVICE, seed=14)
+    ours = run(lambda *a: flash_attention(*a, deterministic=False), q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, rule)
 
 
 @pytest.mark.parametrize("leading", [(), (2,), (2, 3), (2, 2, 2)], ids=["2d", "3d", "4d", "5d"])
@@ -210,19 +171,19 @@ def test_flash_functional_api_any_leading_dims(leading):
 
     gen = torch.Generator().manual_seed(4)
     q, k, v, do = (torch.randn(*leading, n, 16, generator=gen).to(DEVICE) for n in (33, 40, 40, 33))
-    ours = _run(flash_attention, q, k, v, do, True)
+    ours = run(flash_attention, q, k, v, do, True)
     assert ours[0].shape == q.shape, f"output shape {tuple(ours[0].shape)} != {tuple(q.shape)}"
-    _check_against_float64(ours, q, k, v, do, True, FP32_RULE)
+    check_against_float64(ours, q, k, v, do, True, FP32_RULE)
 
 
 def test_flash_ablation_variants_compute_the_same_function():
     from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
-    q, k, v, do = _inputs((1, 70, 70, 32), torch.float32, DEVICE, seed=5)
+    q, k, v, do = make_inputs((1, 70, 70, 32), torch.float32, DEVICE, seed=5)
     for name, fn in ABLATION_VARIANTS.items():
-        ours = _run(fn.apply, q, k, v, do, True)
+        ours = run(fn.apply, q, k, v, do, True)
         try:
-            _check_against_float64(ours, q, k, v, do, True, FP32_RULE)
+            check_against_float64(ours, q, k, v, do, True, FP32_RULE)
         except AssertionError as e:
             raise AssertionError(f"variant {name}: {e}") from e
 
@@ -251,16 +212,154 @@ def test_flash_bad_input_raises(impl, args, error, words):
         IMPLS[impl]().apply(*args)
 
 
-def test_flash_triton_rejects_cpu_tensors_outside_the_interpreter(monkeypatch):
+def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monkeypatch):
+    """Without CUDA and without the interpreter the op runs the tiled PyTorch implementation."""
     import cs336_systems.flash_triton as ft
 
     monkeypatch.setattr(ft, "INTERPRET", False)
-    x = torch.randn(1, 8, 16)
-    with pytest.raises(ValueError, match="CUDA"):
-        ft.FlashAttention2Triton.apply(x, x, x, False)
+    q, k, v, do = make_inputs((2, 40, 40, 16), torch.float32, "cpu", seed=6)
+    ours = run(ft.flash_attention, q, k, v, do, True)
+    check_against_float64(ours, q, k, v, do, True, FP32_RULE)
+    with pytest.raises(ValueError, match="CUDA"):  # the launchers themselves still refuse
+        ft.flash_forward_triton(q, k, v, True)
 
 
 def test_flash_triton_rejects_too_large_head_dim():
     x = torch.randn(1, 8, 512, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):
         IMPLS["triton"]().apply(x, x, x, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op: SDPA-style API, GQA, scale, fp32 precision, custom-op registration, exact masking.
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa64(q, k, v, is_causal, scale=None, group=1):
+    """F.scaled_dot_product_attention in float64 with K/V heads repeated for GQA."""
+    k, v = (t.double().repeat_interleave(group, dim=-3) for t in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, is_causal=is_causal, scale=scale)
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic"])
+def test_flash_gqa_matches_sdpa_float64(is_causal, deterministic):
+    """4 query heads share 2 K/V heads (the kernel indexes the K/V head; dK, dV sum their group)."""
+    from cs336_systems.flash_triton import flash_attention
+
+    gen = torch.Generator().manual_seed(7)
+    q, do = (torch.randn(2, 4, 40, 32, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 56, 32, generator=gen) for _ in range(2))
+    q, k, v, do = (t.to(DEVICE) for t in (q, k, v, do))
+    ours = run(lambda *a: flash_attention(*a, enable_gqa=True, deterministic=deterministic), q, k, v, do, is_causal)
+    exact = run(lambda *a: _sdpa64(*a, group=2), *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+        assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+
+
+def test_flash_gqa_needs_the_flag_and_dividing_heads():
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="batch"):
+        flash_attention(q, k, k)
+    with pytest.raises(ValueError, match="divide"):
+        flash_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flash_attention(q[0, 0], k[0, 0], k[0, 0], enable_gqa=True)
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_flash_custom_scale_matches_sdpa(is_causal):
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k, v, do = make_inputs((2, 33, 47, 16), torch.float32, DEVICE, seed=8)
+    ours = run(lambda *a: flash_attention(*a, scale=0.9), q, k, v, do, is_causal)
+    exact = run(lambda *a: _sdpa64(*a, scale=0.9), *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g}"
+
+
+@pytest.mark.parametrize("scale,error", [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                         ("0.5", TypeError), (True, TypeError)])
+def test_flash_bad_scale_raises(scale, error):
+    from cs336_systems.flash_triton import flash_attention
+
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(error, match="scale"):
+        flash_attention(x, x, x, False, scale)
+
+
+def test_flash_fp32_highest_precision_is_ieee(monkeypatch):
+    """At torch's default "highest" fp32 matmul precision the dots are IEEE fp32: ~1e-6, not TF32's ~1e-3."""
+    from cs336_systems.flash_triton import flash_attention
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    q, k, v, do = make_inputs((1, 64, 64, 32), torch.float32, DEVICE, seed=9)
+    ours = run(flash_attention, q, k, v, do, True)
+    check_against_float64(ours, q, k, v, do, True, ("rel", 1e-5))
+
+
+@pytest.mark.parametrize("impl", ["pytorch", "triton"])
+@pytest.mark.parametrize("scores", [-2e6, -1e7], ids=["-2e6", "-1e7"])
+def test_flash_causal_mask_is_exact_below_minus_1e6(impl, scores):
+    """Query 0 sees only key 0, whose score is below -1e6: the output is v[0] (as SDPA), not a mix."""
+    n, d = 20, 16
+    q = torch.zeros(1, n, d)
+    q[0, :, 0] = 1.0
+    k = torch.zeros(1, n, d)
+    k[0, :, 0] = scores * d ** 0.5  # q·k/sqrt(d) = scores for every pair
+    v = torch.randn(1, n, d, generator=torch.Generator().manual_seed(10))
+    q, k, v = (t.to(IMPL_DEVICE[impl]) for t in (q, k, v))
+    o = IMPLS[impl]().apply(q, k, v, True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.cpu().double(), k.cpu().double(),
+                                                                v.cpu().double(), is_causal=True)
+    assert torch.allclose(o.cpu().double(), expected, atol=1e-5), (o[0, :2, :4], expected[0, :2, :4])
+
+
+@pytest.mark.parametrize("impl", ["pytorch", "triton"])
+def test_flash_double_backward_raises_clearly(impl):
+    q, k, v = (torch.randn(1, 16, 16, device=IMPL_DEVICE[impl], requires_grad=True) for _ in range(3))
+    o = IMPLS[impl]().apply(q, k, v, True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(o.sum(), q, create_graph=True)
+
+
+def test_flash_accepts_numpy_bool():
+    x = torch.randn(1, 8, 16, device=DEVICE)
+    o = IMPLS["triton"]().apply(x, x, x, np.bool_(True))
+    assert torch.allclose(o, IMPLS["triton"]().apply(x, x, x, True))
+
+
+def test_flash_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake (meta) kernels, autograd registration of both ops."""
+    from cs336_systems.flash_triton import flash_attn_bwd, flash_attn_fwd
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, generator=gen).to(DEVICE) for _ in range(4))
+    torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25))
+    o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    for deterministic in (True, False):
+        torch.library.opcheck(flash_attn_bwd, (do, q, k, v, o, lse, True, 0.25, deterministic),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_flash_fullgraph_compile_matches_eager(is_causal):
+    """torch.compile(fullgraph=True) traces the functional API and the adapters' class with no break."""
+    from cs336_systems.flash_triton import FlashAttention2Triton, flash_attention
+
+    q, k, v, do = make_inputs((2, 48, 48, 16), torch.float32, DEVICE, seed=12)
+    eager = run(flash_attention, q, k, v, do, is_causal)
+    torch._dynamo.reset()
+    for fn in (flash_attention, FlashAttention2Triton.apply):
+        compiled = run(torch.compile(fn, fullgraph=True), q, k, v, do, is_causal)
+        for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
+            assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
+
+
+def test_flash_head_dim_256():
+    q, k, v, do = make_inputs((1, 40, 40, 256), torch.float32, DEVICE, seed=13)
+    ours = run(IMPLS["triton"]().apply, q, k, v, do, True)
+    check_against_float64(ours, q, k, v, do, True, FP32_RULE)

@@ -297,6 +297,44 @@ def test_model_uses_swapped_module_level_attention(monkeypatch: pytest.MonkeyPat
     assert torch.allclose(out, expected), f"output changed by {max_err(out, expected):.3e} through the wrapper"
 
 
+def _loss(model, inputs, targets):
+    return cross_entropy(model(inputs), targets)
+
+
+def _train_step(loss_fn, model, opt, inputs, targets):
+    opt.zero_grad()
+    loss = loss_fn(model, inputs, targets)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_model_flash_attention_compiled_fullgraph_training_step() -> None:
+    """attention="flash": training steps whose forward + loss are compiled with fullgraph=True (no
+    graph break at attention; the backward is the compiled graph's) match the reference model's
+    (CPU: the kernels through Triton's interpreter), in loss and in the weights after the steps."""
+    torch.manual_seed(13)
+    ref = BasicsTransformerLM(**TINY)
+    flash = BasicsTransformerLM(**TINY, attention="flash")
+    flash.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, TINY["vocab_size"], (2, 17))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    opts = [AdamW(m.parameters(), lr=1e-3) for m in (ref, flash)]
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(_loss, fullgraph=True)
+    for _ in range(2):
+        ref_loss = _train_step(_loss, ref, opts[0], inputs, targets)
+        flash_loss = _train_step(compiled_loss, flash, opts[1], inputs, targets)
+        assert abs(ref_loss.item() - flash_loss.item()) < 1e-4, (ref_loss.item(), flash_loss.item())
+    for (name, a), b in zip(ref.named_parameters(), flash.parameters()):
+        assert max_err(a, b) < 1e-4, f"{name} differs by {max_err(a, b):.3g} after two steps"
+
+
+def test_model_rejects_unknown_attention() -> None:
+    with pytest.raises(ValueError, match="attention"):
+        BasicsTransformerLM(**TINY, attention="sdpa")
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

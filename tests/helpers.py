@@ -1,0 +1,71 @@
+"""Shared helpers of the attention tests: the float64 reference, inputs, error checks."""
+
+from __future__ import annotations
+
+import torch
+
+from cs336_basics.model import causal_mask, scaled_dot_product_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
+
+
+def reference_attention(q, k, v, is_causal=False):
+    """The materialized reference (cs336_basics) and its logsumexp, masked scores at -1e6."""
+    mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device) if is_causal else None
+    o = scaled_dot_product_attention(q, k, v, mask=mask)
+    s = q.to(torch.promote_types(q.dtype, torch.float32))  # -1e6 overflows fp16
+    s = s @ k.to(s.dtype).transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is not None:
+        s = torch.where(mask, s, -1e6)
+    return o, torch.logsumexp(s, dim=-1)
+
+
+def make_inputs(shape, dtype, device, scale=1.0, seed=0):
+    """q, k, v, dO for (batch, Nq, Nk, D), drawn in float64 and cast."""
+    gen = torch.Generator().manual_seed(seed)
+    b, nq, nk, d = shape
+    q = torch.randn(b, nq, d, generator=gen, dtype=torch.float64) * scale
+    k = torch.randn(b, nk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, nk, d, generator=gen, dtype=torch.float64)
+    do = torch.randn(b, nq, d, generator=gen, dtype=torch.float64)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
+
+
+def run(fn, q, k, v, do, *args):
+    """Output and grads of fn(q, k, v, *args) on leaf copies of q, k, v."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v, *args)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def max_err(x, ref):
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_against_float64(ours, q, k, v, do, is_causal, rule, reference=None):
+    """ours = (o, dq, dk, dv) computed in q's dtype; compare with float64 per the dtype's rule.
+
+    rule: ("abs", bound) on the max error, ("rel", bound) on the relative Frobenius error, or
+    ("x_torch", factor): at most factor x the error of the reference computed in q's dtype.
+    """
+    reference = reference or (lambda *a: reference_attention(*a)[0])
+    exact = run(reference, *(t.double() for t in (q, k, v, do)), is_causal)
+    torch_same_dtype = run(reference, q, k, v, do, is_causal)
+    kind, bound = rule
+    for name, x, ref, base in zip(("O", "dQ", "dK", "dV"), ours, exact, torch_same_dtype):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+        if kind == "abs":
+            err = max_err(x, ref)
+            assert err <= bound, f"{name}: max |ours - fp64| = {err:.3g} > {bound:g}"
+        elif kind == "rel":
+            err = rel_err(x, ref)
+            assert err <= bound, f"{name}: relative error vs fp64 {err:.3g} > {bound:g}"
+        else:
+            err, base_err = max_err(x, ref), max_err(base, ref)
+            assert err <= bound * base_err + 1e-5, (
+                f"{name}: max |ours - fp64| = {err:.3g} > {bound:g} x PyTorch {q.dtype} error {base_err:.3g}")
