@@ -4,8 +4,9 @@ Every wrapper, at construction: checks that a default process group exists and t
 tensors sit on one device the backend can communicate, then broadcasts all parameters (trainable or
 frozen) and buffers from rank 0, so every replica starts identical. After `loss.backward()` the
 training loop calls `finish_gradient_synchronization()`, and then every parameter that received a
-gradient holds the average of that gradient over the ranks (summed with `all_reduce`, divided by
-the world size; Gloo has no AVG op). Parameters with `requires_grad=False` are never communicated;
+gradient holds the average of that gradient over the ranks (a SUM all-reduce and a division by the
+world size: Gloo has no AVG op; the overlapped variants divide before the all-reduce, inside the
+hook, so that the scaling pass overlaps the backward pass too). Parameters with `requires_grad=False` are never communicated;
 a tied parameter (one `Parameter` registered under several names) is one tensor, synchronized once.
 
 - `NaiveDDP`: after backward, one blocking all-reduce per parameter gradient.
@@ -18,6 +19,11 @@ a tied parameter (one `Parameter` registered under several names) is one tensor,
   its own); hooks copy each gradient into its bucket's flat buffer and launch one async all-reduce per
   bucket once all of its gradients are in.
 
+The hooks hold the wrapper only through a weak reference: a hook registered on a parameter lives in
+autograd's C++ structures, where a strong reference back to the wrapper would form a cycle Python's
+garbage collector cannot see, and every dropped wrapper (with its module, gradients and buckets)
+would stay in memory. A dropped wrapper's hooks do nothing; `remove_hooks()` detaches them.
+
 Assumption shared with PyTorch's DDP (without `find_unused_parameters`): every rank runs the same
 graph, so the same parameters get gradients in the same order. A parameter that gets no gradient in
 a step keeps `grad=None`; in `DDPBucketed` its slot is reduced as zeros, and a bucket that never
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +67,28 @@ class DataParallelBase(nn.Module):
         self.world_size = world_size
         self.device = device
         self.params: list[nn.Parameter] = trainable_parameters(module)
+        self._hooks: list = []
         broadcast_module_state(module, src=0)
+
+    def _register_gradient_hooks(self) -> None:
+        """Call `self._on_gradient_ready(param)` once each parameter's gradient is accumulated."""
+        wrapper = weakref.ref(self)
+
+        def hook(param: nn.Parameter) -> None:
+            alive = wrapper()
+            if alive is not None:
+                alive._on_gradient_ready(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the wrapped module's parameters (the wrapper stops syncing)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -107,13 +135,14 @@ class DDPIndividualParameters(DataParallelBase):
         super().__init__(module)
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
         self._launched: set[int] = set()  # id() of parameters whose gradient is in flight this step
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.params]
+        self._register_gradient_hooks()
 
     @property
     def num_pending(self) -> int:
         """All-reduces launched since the last `finish_gradient_synchronization()`."""
         return len(self._pending)
 
+    @torch.no_grad()
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         if id(param) in self._launched:
             raise RuntimeError(
@@ -123,21 +152,14 @@ class DDPIndividualParameters(DataParallelBase):
             )
         self._launched.add(id(param))
         grad = param.grad
+        grad.div_(self.world_size)
         self._pending.append((grad, dist.all_reduce(grad, op=dist.ReduceOp.SUM, async_op=True)))
 
-    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        for grad, work in self._pending:
+        for _, work in self._pending:
             work.wait()
-            grad.div_(self.world_size)
         self._pending.clear()
         self._launched.clear()
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the wrapped module's parameters (the wrapper stops syncing)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_size_bytes: float) -> list[list[int]]:
@@ -208,7 +230,7 @@ class DDPBucketed(DataParallelBase):
             self.buckets.append(Bucket(params, offsets, buffer))
             for j, p in enumerate(params):
                 self._where[id(p)] = (b, j)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.params]
+        self._register_gradient_hooks()
 
     @property
     def num_pending(self) -> int:
@@ -225,7 +247,7 @@ class DDPBucketed(DataParallelBase):
                 "finish_gradient_synchronization() in between (gradient accumulation over several "
                 "backward passes is not supported); call it after every backward"
             )
-        bucket.slot(j).copy_(param.grad.reshape(-1))
+        torch.div(param.grad.reshape(-1), self.world_size, out=bucket.slot(j))  # copy in, pre-scaled
         bucket.arrived[j] = True
         bucket.n_arrived += 1
         if bucket.n_arrived == len(bucket.params):
@@ -253,14 +275,7 @@ class DDPBucketed(DataParallelBase):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.buffer.div_(self.world_size)
             for j, p in enumerate(bucket.params):
                 if bucket.arrived[j]:
                     p.grad.copy_(bucket.slot(j).view_as(p.grad))
             bucket.reset()
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the wrapped module's parameters (the wrapper stops syncing)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
