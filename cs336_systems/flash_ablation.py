@@ -1,7 +1,10 @@
 """The leaderboard ablation: FlashAttention-2 variants, each adding one step to the one before.
 
-The last entry is the shipped kernel (`FlashAttention2Triton`). `cs336-bench leaderboard --variant`
-times them with the course's harness; `runs/README.md` has the table.
+The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
+TMA descriptors, deterministic two-pass backward). "atomic_dq" is the alternative to that last step's
+backward: the single-pass backward with fp32 atomic dQ (`deterministic=False`), measured slower on
+the H200. The earlier steps load tiles through block pointers (no TMA). `cs336-bench leaderboard
+--variant all` times them with the course's harness; `runs/README.md` has the table.
 """
 
 from __future__ import annotations
@@ -10,14 +13,16 @@ import torch
 
 from cs336_systems.flash_triton import FlashAttention2Triton, KernelOptions, autograd_function
 
+_PLAIN = KernelOptions(triton_backward=False, skip_masked_tiles=False, autotune=False, tma=False)
+
 ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
-    "fwd_triton_bwd_compiled": autograd_function(
-        "FlashFwdTritonBwdCompiled", KernelOptions(triton_backward=False, skip_masked_tiles=False, autotune=False)),
+    "fwd_triton_bwd_compiled": autograd_function("FlashFwdTritonBwdCompiled", _PLAIN),
     "bwd_triton": autograd_function(
-        "FlashBwdTriton", KernelOptions(triton_backward=True, skip_masked_tiles=False, autotune=False)),
-    "causal_skip": autograd_function(
-        "FlashCausalSkip", KernelOptions(triton_backward=True, skip_masked_tiles=True, autotune=False)),
-    "autotune": FlashAttention2Triton,
+        "FlashBwdTriton", KernelOptions(skip_masked_tiles=False, autotune=False, tma=False)),
+    "causal_skip": autograd_function("FlashCausalSkip", KernelOptions(autotune=False, tma=False)),
+    "autotune": autograd_function("FlashAutotune", KernelOptions(tma=False)),
+    "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False)),
+    "tma": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]
