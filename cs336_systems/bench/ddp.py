@@ -22,8 +22,8 @@ events on the compute stream split it into fwd_bwd (until backward returns), syn
 opt (the optimizer step, including the sharded optimizer's parameter broadcasts); on the CPU the
 same split uses the wall clock. `comm_share` = sync / step. PyTorch's DDP waits for its all-reduces
 inside backward, so its sync is ~0; compare every variant's step with `local` for the full
-communication overhead. Memory per rank (MiB, torch.cuda allocator): allocated after the model,
-wrapper and optimizer are built, peak up to just before the optimizer step, peak including it, and
+communication overhead. Memory per rank (MiB, torch.cuda allocator): allocated before the variant
+is built (what earlier variants left behind), after the model, wrapper and optimizer are built, peak up to just before the optimizer step, peak including it, and
 allocated after it (optimizer state exists from the first step on).
 """
 
@@ -220,6 +220,7 @@ def measure(ctx, setup: dict, fields: dict) -> dict[str, Any] | None:
 
     device = ctx.device
     free_memory(device)
+    mem_before = allocated_memory_mib(device)  # what earlier variants left behind: ~0 unless something leaks
     torch.manual_seed(0)
     model = BasicsTransformerLM.from_config(
         model_config(setup["model_size"]), vocab_size=setup["vocab"], context_length=setup["context_length"],
@@ -274,6 +275,7 @@ def measure(ctx, setup: dict, fields: dict) -> dict[str, Any] | None:
     mine = {
         "steps": steps,
         "phases": phases,
+        "mem_before_build_mib": mem_before,
         "mem_init_mib": mem_init,
         "peak_before_step_mib": max(peaks_before) if device.type == "cuda" else None,
         "peak_step_mib": max(peaks) if device.type == "cuda" else None,
@@ -292,8 +294,8 @@ def measure(ctx, setup: dict, fields: dict) -> dict[str, Any] | None:
     phase = [[max(r["phases"][i][k] for r in everyone) for i in range(n)] for k in range(3)]
     stats = summarize_ms(slowest)
     fwd_bwd, sync, opt = (statistics.median(p) for p in phase)
-    per_rank = {k: [r[k] for r in everyone] for k in ("mem_init_mib", "peak_before_step_mib", "peak_step_mib",
-                                                       "mem_after_step_mib")}
+    per_rank = {k: [r[k] for r in everyone] for k in ("mem_before_build_mib", "mem_init_mib", "peak_before_step_mib",
+                                                       "peak_step_mib", "mem_after_step_mib")}
     tokens = setup["batch"] * setup["context_length"] * ctx.world_size
     return {
         **stats,
@@ -372,16 +374,18 @@ def render(rows: list[Row], out: Output) -> list[str]:
                 + report.markdown(["variant", "step ms", "fwd+bwd ms", "sync ms", "opt ms", "sync share of step",
                                    "overhead vs no sync, ms (share)", "vs PyTorch DDP", "buckets"], body)
             )
-            memory = [[r["variant"], mib_cell("mem_init_mib")(r), mib_cell("peak_before_step_mib")(r),
+            memory = [[r["variant"], mib_cell("mem_before_build_mib")(r), mib_cell("mem_init_mib")(r),
+                       mib_cell("peak_before_step_mib")(r),
                        mib_cell("peak_step_mib")(r), mib_cell("mem_after_step_mib")(r)]
                       for r in same_run if r["impl"] == "bucketed" or r["optimizer"] != "adamw"]
             if memory and any(r.get("peak_step_mib") and any(r["peak_step_mib"]) for r in same_run):
                 sections.append(
                     "### Memory per rank, GiB (rank 0 / rank 1 / ...)\n\n"
-                    "after building model + wrapper + optimizer; peak up to the optimizer step; peak including "
-                    "it; allocated after it\n\n"
-                    + report.markdown(["variant", "after init", "peak before opt step", "peak with opt step",
-                                       "after opt step"], memory)
+                    "allocated before the variant is built (left over from earlier ones: should be ~0), after "
+                    "building model + wrapper + optimizer; peak up to the optimizer step; peak including it; "
+                    "allocated after it\n\n"
+                    + report.markdown(["variant", "before build", "after init", "peak before opt step",
+                                       "peak with opt step", "after opt step"], memory)
                 )
             _plot(same_run, out, key, run_id)
     return sections

@@ -67,7 +67,7 @@ def test_runs_include_the_sharded_twin():
 def test_render_rows(tmp_path):
     base = dict(mode="train_step", dtype="fp32", backend="nccl", world_size=2, model_size="xl", context_length=512,
                 batch=4, vocab=10000, steps=10, warmup_steps=5, optimizer="adamw", bucket_mb=None, n_buckets=None)
-    mem = dict(mem_init_mib=[8192.0, 8192.0], peak_before_step_mib=[40960.0, 40960.0],
+    mem = dict(mem_before_build_mib=[0.0, 0.0], mem_init_mib=[8192.0, 8192.0], peak_before_step_mib=[40960.0, 40960.0],
                peak_step_mib=[57344.0, 57344.0], mem_after_step_mib=[32768.0, 32768.0])
 
     def row(impl, variant, ms, sync, **extra):
@@ -84,4 +84,4 @@ def test_render_rows(tmp_path):
     ])
     table = check_report(tmp_path, "ddp")
     assert "| naive (all-reduce per parameter) | 850.0 | 760.0 | 40.000 | 50.000 | 4.7% | 50.000 (5.9%) | 0.95× |" in table
-    assert "| bucketed 100 MiB + sharded AdamW | 8.00 / 8.00 | 40.00 / 40.00 | 56.00 / 56.00 | 24.00 / 24.00 |" in table
+    assert "| bucketed 100 MiB + sharded AdamW | 0.00 / 0.00 | 8.00 / 8.00 | 40.00 / 40.00 | 56.00 / 56.00 | 24.00 / 24.00 |" in table
