@@ -176,6 +176,8 @@ def test_bad_parameters(single_rank_group):
         ShardedOptimizer(nn.Linear(2, 2, device="meta").parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="empty"):
         ShardedOptimizer([], torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="Linear"):
+        ShardedOptimizer([{"params": [nn.Linear(2, 2)]}], torch.optim.SGD, lr=0.1)
     layer = nn.Linear(2, 2)
     optimizer = ShardedOptimizer([layer.weight], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="more than one"):

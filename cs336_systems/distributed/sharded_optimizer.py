@@ -53,6 +53,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         params = param_group.get("params")
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        not_tensors = sorted({type(p).__name__ for p in params if not isinstance(p, torch.Tensor)})
+        if not_tensors:
+            raise TypeError(f"{type(self).__name__} optimizes tensors; the parameter group holds {not_tensors}")
         check_tensor_devices(params, type(self).__name__)
         # The base class validates (leaf tensors, no parameter in two groups) and fills defaults.
         super().add_param_group({**param_group, "params": params})
