@@ -197,17 +197,16 @@ def render(rows: list[Row], out: Output) -> list[str]:
                     first.get("commit")]
             for mode in modes:
                 r = report.pick(group, mode=mode, **same)
-                line += [report.ms_cell(r), report.field_cell("ms_mean")(r), report.field_cell("tflops")(r)]
-                if first["impl"] not in SDPA_REFERENCES:
-                    line += [report.ratio_cell(r, report.pick(group, mode=mode, variant=ref, run_id=first["run_id"]),
-                                               "ms_mean") for ref in SDPA_REFERENCES]
-                else:
-                    line += ["", ""]
+                line += [report.status_cell(r) or f"{report.fmt_num(r['ms'])} / {report.fmt_num(r['ms_mean'])}",
+                         report.field_cell("tflops")(r)]
+                refs = [report.pick(group, mode=mode, variant=ref, run_id=first["run_id"]) for ref in SDPA_REFERENCES]
+                line.append(" / ".join(report.ratio_cell(r, ref, "ms_mean") for ref in refs)
+                            if first["impl"] not in SDPA_REFERENCES else "")
             body.append(line)
         headers = ["implementation", "compiled", "do_bench rep/warmup ms", "commit"]
         for mode in modes:
-            headers += [f"{mode} median ms", f"{mode} mean ms (harness)", f"{mode} TFLOP/s",
-                        *(f"{mode} speedup vs {report.impl_label(ref)}" for ref in SDPA_REFERENCES)]
+            headers += [f"{mode} ms (median / harness mean)", f"{mode} TFLOP/s",
+                        f"{mode} speedup vs " + " / ".join(report.impl_label(ref) for ref in SDPA_REFERENCES)]
         sections.append(
             f"## Leaderboard harness, {report.subtitle(fields, key)}\n\n"
             "one line per implementation and do_bench setting (its latest run); speedups are the SDPA "

@@ -216,14 +216,7 @@ def render(rows: list[Row], out: Output) -> list[str]:
     index = ["model_size", "context_length", "impl", "dtype", "batch"]
     if len(report.distinct(steady, "warmup_steps")) > 1:
         index.append("warmup_steps")
-    columns = [(f"{mode} {label}", report.where(mode=mode, compiled=c)) for mode in modes for c, label in variants]
-    extra = []
-    if len(variants) == 2:
-        extra = [
-            (f"compile speedup {mode}",
-             lambda p, m=mode: report.ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean"))
-            for mode in modes
-        ]
+    columns = [(mode, report.where(mode=mode)) for mode in modes]  # one line per eager / compiled setup
     sections = []
     if len(warmups) > 1:
         warm_rows = [r for _, g in by_setup if len(report.distinct(g, "warmup_steps")) > 1 for r in g]
@@ -234,14 +227,21 @@ def render(rows: list[Row], out: Output) -> list[str]:
                 [(f"warmup {w}", report.where(warmup_steps=w)) for w in warmups], _mean_std_first_cell,
             )
         )
+    setups = [*index, "compiled"]
     sections += [
         "## Step time (ms, mean ± std over timed steps)\n\n"
-        + report.pivot(steady, index, columns, report.mean_std_cell, extra),
+        + report.pivot(steady, setups, columns, report.mean_std_cell),
         "## Throughput (tokens/s, from the mean step time)\n\n"
-        + report.pivot(steady, index, columns, report.field_cell("tokens_per_s")),
+        + report.pivot(steady, setups, columns, report.field_cell("tokens_per_s")),
         "## Peak memory (MiB, max_memory_allocated over the mode's steps)\n\n"
-        + report.pivot(steady, index, columns, report.field_cell("peak_mem_mb")),
+        + report.pivot(steady, setups, columns, report.field_cell("peak_mem_mb")),
     ]
+    if len(variants) == 2:
+        by_variant = [(f"{m} {label}", report.where(mode=m, compiled=c)) for m in modes for c, label in variants]
+        speedups = [(f"compile speedup {m}",
+                     lambda p, m=m: report.ratio_cell(p[f"{m} compiled"], p[f"{m} eager"], "ms_mean")) for m in modes]
+        sections.append("## torch.compile speedup (eager mean / compiled mean)\n\n"
+                        + report.pivot(steady, index, by_variant, None, speedups))
     _size_plots(steady, modes, variants, out)
     _context_plots(steady, modes, out)
     return sections

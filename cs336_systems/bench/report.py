@@ -270,15 +270,19 @@ def pivot(
     rows: list[Row],
     index: Sequence[str],
     columns: Sequence[tuple[str, Callable[[Row], bool]]],
-    cell: Callable[[Row | None], str],
+    cell: Callable[[Row | None], str] | None,
     extra: Sequence[tuple[str, Callable[[dict[str, Row | None]], str]]] = (),
 ) -> str:
-    """Markdown table: one line per distinct `index` value; each column picks its row by predicate."""
+    """Markdown table: one line per distinct `index` value; each column picks its row by predicate.
+
+    `extra` columns compute their cell from all the picked rows; with `cell` None only they are shown.
+    """
+    shown = columns if cell is not None else []
     body = []
     for key, group in group_by(rows, index):
         picked = {name: next((r for r in reversed(group) if pred(r)), None) for name, pred in columns}
-        body.append([*key, *(cell(picked[name]) for name, _ in columns), *(f(picked) for _, f in extra)])
-    return markdown([*index, *(n for n, _ in columns), *(n for n, _ in extra)], body)
+        body.append([*key, *(cell(picked[name]) for name, _ in shown), *(f(picked) for _, f in extra)])
+    return markdown([*index, *(n for n, _ in shown), *(n for n, _ in extra)], body)
 
 
 def header(problem: str, rows: list[Row]) -> str:

@@ -76,9 +76,8 @@ def test_report_renders_gpu_shaped_rows(tmp_path):
     assert "Every config tried" in autotune_md and "1024 1024 64 True torch.bfloat16" in autotune_md
     assert (tmp_path / "autotune" / "autotune_configs.png").exists()
     board = (tmp_path / "leaderboard" / "table.md").read_text()
-    assert "| ours (shipped) | True | 10000/1000 | abc1234 | 6.200 |" in board
-    assert "1.15×" in board  # SDPA flash 7.1 / ours 6.2, same run
-    assert "| causal_skip | True | 500/50 |" in board and "| – | – |" in board  # no SDPA row in that run
+    assert "| ours (shipped) | True | 10000/1000 | abc1234 | 6.200 / 6.200 | 1.000 | 1.15× / – |" in board  # same run
+    assert "| causal_skip | True | 500/50 | abc1234 | 6.800 / 6.800 | 1.000 | – / – |" in board  # no SDPA in its run
 
 
 def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
