@@ -50,7 +50,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
-            text += " (default: %(default)s)"
+            text += f" (default: {options.describe(action.default)})".replace("%", "%%")
         return text
 
 
