@@ -768,6 +768,10 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
+    if (_tma_default() if opts.tma is None else opts.tma) and not _tma_ok(do4) and _tma_ok(q4, k4, v4):
+        # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one
+        # copy (the size of O) keeps both passes on TMA instead of dropping them to block pointers.
+        do4 = do4.contiguous()
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)

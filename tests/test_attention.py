@@ -145,6 +145,19 @@ def test_flash_triton_strided_inputs_and_expanded_grad(is_causal):
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
+def test_flash_triton_tma_path_with_expanded_grad(is_causal):
+    """The TMA path (forced on, as on a Hopper GPU) with dO from o.sum(): expanded, copied for TMA."""
+    from cs336_systems.flash_triton import KernelOptions, autograd_function
+
+    fn = autograd_function("FlashTma", KernelOptions(tma=True))
+    q, k, v, _ = make_inputs((2, 50, 50, 32), torch.float32, DEVICE, seed=15)
+    expanded = torch.ones(1, 1, 1, device=DEVICE).expand(2, 50, 32)  # what o.sum().backward() hands over
+    assert expanded.stride() == (0, 0, 0)
+    ours = run(fn.apply, q, k, v, expanded, is_causal)
+    check_against_float64(ours, q, k, v, torch.ones(2, 50, 32, device=DEVICE), is_causal, FP32_RULE)
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
 def test_flash_triton_backward_is_deterministic(is_causal):
     q, k, v, do = make_inputs((2, 96, 80, 32), torch.bfloat16, DEVICE, seed=3)
     first = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
@@ -256,6 +269,13 @@ def test_flash_gqa_matches_sdpa_float64(is_causal, deterministic):
     for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
         assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
         assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+
+
+def test_flash_attention_is_exported_from_the_package():
+    import cs336_systems
+    from cs336_systems.flash_triton import flash_attention
+
+    assert cs336_systems.flash_attention is flash_attention
 
 
 def test_flash_gqa_needs_the_flag_and_dividing_heads():

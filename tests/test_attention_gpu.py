@@ -78,11 +78,13 @@ def test_flash_gqa_matches_sdpa_enable_gqa(is_causal):
 
     q, do = (_randn(2, 8, 2048, 64, seed=30 + i) for i in range(2))
     k, v = (_randn(2, 2, 2048, 64, seed=32 + i) for i in range(2))
+    def sdpa(q, k, v, causal):  # is_causal by keyword: SDPA's fourth positional parameter is attn_mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
     ours = run(lambda *a: flash_attention(*a, enable_gqa=True), q, k, v, do, is_causal)
-    sdpa = run(lambda *a: F.scaled_dot_product_attention(*a, enable_gqa=True), q, k, v, do, is_causal)
-    exact = run(lambda *a: F.scaled_dot_product_attention(*a, enable_gqa=True),
-                *(t.double() for t in (q, k, v, do)), is_causal)
-    for name, x, s, ref in zip(("O", "dQ", "dK", "dV"), ours, sdpa, exact):
+    theirs = run(sdpa, q, k, v, do, is_causal)
+    exact = run(sdpa, *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, x, s, ref in zip(("O", "dQ", "dK", "dV"), ours, theirs, exact):
         assert x.shape == ref.shape
         assert rel_err(x, ref) <= 2 * rel_err(s, ref) + 1e-6, (
             f"{name}: relative error {rel_err(x, ref):.3g} vs SDPA's {rel_err(s, ref):.3g}")
