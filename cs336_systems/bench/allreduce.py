@@ -84,6 +84,11 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     return runs
 
 
+def needs_device(args: argparse.Namespace) -> bool:
+    """Gloo alone runs on the CPU (rows say gpu "none"); NCCL, or the default choice, needs CUDA."""
+    return args.backends is None or "nccl" in args.backends
+
+
 def check(args: argparse.Namespace) -> None:
     plan(args)
 

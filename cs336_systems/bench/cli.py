@@ -7,7 +7,8 @@ A problem is a module with
     render(rows, out)       markdown sections of its table.md; plots saved through `report.Output`
 and optionally
     check(args)             raise ValueError on a bad combination of options (-> usage error, exit 2)
-    NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none")
+    NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none"), or
+    needs_device(args)      the same decided per invocation (allreduce: Gloo alone needs no GPU)
     FIELDS, OK_FIELDS       {field: type} every row / every ok row must have for `render` (the report
                             skips other rows with a warning)
 Problem modules import torch only inside their functions, so that `--help` stays instant. Plugging a
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     options.resolve_sized(args)
 
     device = None
-    if getattr(module, "NEEDS_DEVICE", True):
+    needs_device = getattr(module, "needs_device", lambda _args: getattr(module, "NEEDS_DEVICE", True))
+    if needs_device(args):
         device = select_device(args.smoke)
         if device is None:
             print(

@@ -69,3 +69,10 @@ def test_render_rows(tmp_path):
     table = check_report(tmp_path, "allreduce")
     assert "| nccl | 2 | 0.05 ms, 20.000 GB/s | 3.000 ms, 333.3 GB/s |" in table
     assert "| gloo | 4 | error | – |" in table
+
+
+def test_gloo_alone_needs_no_gpu():
+    """`--backends gloo` runs on the CPU machine; NCCL (or the default choice) needs CUDA."""
+    assert not allreduce.needs_device(namespace(backends=["gloo"]))
+    assert allreduce.needs_device(namespace(backends=["gloo", "nccl"]))
+    assert allreduce.needs_device(namespace())
