@@ -60,14 +60,23 @@ def padded_dim(n: int) -> int:
 
 
 @triton.jit
-def _tile_src(base, stride_n, stride_d, N, D: tl.constexpr, TILE: tl.constexpr, D_TILE: tl.constexpr,
+def _tile_src(ptr, strides, batch, head, N, D: tl.constexpr, TILE: tl.constexpr, D_TILE: tl.constexpr,
               USE_TMA: tl.constexpr):
-    """A source of (TILE, D_TILE) tiles of one (N, D) matrix: a TMA descriptor or a block pointer at row 0."""
+    """A source of (TILE, D_TILE) tiles of the (N, D) matrix of one (batch, head) of a (B, H, N, D) tensor
+    with `strides` (a tuple of four): a TMA descriptor or a block pointer at row 0."""
+    base = ptr + batch * strides[0] + head * strides[1]
     if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[N, D], strides=[stride_n, 1], block_shape=[TILE, D_TILE])
+        return tl.make_tensor_descriptor(base, shape=[N, D], strides=[strides[2], 1], block_shape=[TILE, D_TILE])
     else:
-        return tl.make_block_ptr(base, shape=(N, D), strides=(stride_n, stride_d), offsets=(0, 0),
+        return tl.make_block_ptr(base, shape=(N, D), strides=(strides[2], strides[3]), offsets=(0, 0),
                                  block_shape=(TILE, D_TILE), order=(1, 0))
+
+
+@triton.jit
+def _row_ptrs(ptr, strides, batch, head, offs_n, offs_d):
+    """Pointers to rows offs_n, columns offs_d of one (batch, head) of a (B, H, N, D) tensor."""
+    return (ptr + batch * strides[0] + head * strides[1]
+            + offs_n[:, None] * strides[2] + offs_d[None, :] * strides[3])
 
 
 @triton.jit
@@ -248,6 +257,25 @@ def _tile_index(program, n_tiles, LONGEST_FIRST: tl.constexpr):
         return program
 
 
+@triton.jit
+def _query_program(N_HEADS, KV_GROUP, Q_TILE_SIZE: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """A program of grid (batch·heads, query tiles): its batch·head, batch, head, K/V head, first query."""
+    batch_head = tl.program_id(0)
+    q_tile = _tile_index(tl.program_id(1), tl.num_programs(1), LONGEST_FIRST)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    return batch_head, batch, head, head // KV_GROUP, q_tile * Q_TILE_SIZE
+
+
+@triton.jit
+def _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
+                D: tl.constexpr, K_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile sources of one (batch, K/V head)'s K and V."""
+    k_src = _tile_src(K_ptr, stride_k, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
+    v_src = _tile_src(V_ptr, stride_v, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
+    return k_src, v_src
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Kernels
 # ----------------------------------------------------------------------------------------------
@@ -282,10 +310,7 @@ _EVEN_HEURISTICS = {
 @triton.jit
 def flash_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
-    stride_qb, stride_qh, stride_qq, stride_qd,
-    stride_kb, stride_kh, stride_kk, stride_kd,
-    stride_vb, stride_vh, stride_vk, stride_vd,
-    stride_ob, stride_oh, stride_oq, stride_od,
+    stride_q, stride_k, stride_v, stride_o,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr,
     Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
@@ -293,21 +318,13 @@ def flash_fwd_kernel(
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
-    batch_head = tl.program_id(0)
-    q_tile = _tile_index(tl.program_id(1), tl.num_programs(1), is_causal and SKIP_MASKED_TILES)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
-    kv_head = head // KV_GROUP
-    q_start = q_tile * Q_TILE_SIZE
+    batch_head, batch, head, kv_head, q_start = _query_program(
+        N_HEADS, KV_GROUP, Q_TILE_SIZE, is_causal and SKIP_MASKED_TILES)
 
-    q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
-                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
-    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
-    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
-    o_dst = _tile_src(O_ptr + batch * stride_ob + head * stride_oh, stride_oq, stride_od, N_QUERIES,
-                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    q_src = _tile_src(Q_ptr, stride_q, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
+                               D, K_TILE_SIZE, D_TILE, USE_TMA)
+    o_dst = _tile_src(O_ptr, stride_o, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
@@ -335,8 +352,7 @@ def flash_fwd_kernel(
 @triton.jit
 def flash_bwd_prep_kernel(
     O_ptr, dO_ptr, Delta_ptr, dQacc_ptr,
-    stride_ob, stride_oh, stride_oq, stride_od,
-    stride_dob, stride_doh, stride_doq, stride_dod,
+    stride_o, stride_do,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, N_QUERIES,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
@@ -349,10 +365,8 @@ def flash_bwd_prep_kernel(
     offs_d = tl.arange(0, D_TILE)
     rows = (offs_q < N_QUERIES)[:, None]
     mask = rows & (offs_d < D)[None, :]
-    o = tl.load(O_ptr + batch * stride_ob + head * stride_oh + offs_q[:, None] * stride_oq
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(dO_ptr + batch * stride_dob + head * stride_doh + offs_q[:, None] * stride_doq
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    o = tl.load(_row_ptrs(O_ptr, stride_o, batch, head, offs_q, offs_d), mask=mask, other=0.0)
+    do = tl.load(_row_ptrs(dO_ptr, stride_do, batch, head, offs_q, offs_d), mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q, delta, mask=offs_q < N_QUERIES)
     if ZERO_DQ:
@@ -364,12 +378,7 @@ def flash_bwd_prep_kernel(
 @triton.jit
 def flash_bwd_kv_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
-    stride_qb, stride_qh, stride_qq, stride_qd,
-    stride_kb, stride_kh, stride_kk, stride_kd,
-    stride_vb, stride_vh, stride_vk, stride_vd,
-    stride_dob, stride_doh, stride_doq, stride_dod,
-    stride_dkb, stride_dkh, stride_dkk, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvk, stride_dvd,
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr,
     Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
@@ -388,10 +397,8 @@ def flash_bwd_kv_kernel(
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
     k_start = tl.program_id(1) * K_TILE_SIZE
 
-    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
-    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
+    k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
+                               D, K_TILE_SIZE, D_TILE, USE_TMA)
     k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
     v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
@@ -403,10 +410,8 @@ def flash_bwd_kv_kernel(
     for g in range(0, KV_GROUP):
         head = kv_head * KV_GROUP + g
         batch_head = batch * N_HEADS + head
-        q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
-                          D, Q_TILE_SIZE, D_TILE, USE_TMA)
-        do_src = _tile_src(dO_ptr + batch * stride_dob + head * stride_doh, stride_doq, stride_dod, N_QUERIES,
-                           D, Q_TILE_SIZE, D_TILE, USE_TMA)
+        q_src = _tile_src(Q_ptr, stride_q, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
+        do_src = _tile_src(dO_ptr, stride_do, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
         dq_base = dQacc_ptr + batch_head * N_QUERIES * D_TILE
         if DQ_ATOMIC and USE_TMA:
             dq_dst = tl.make_tensor_descriptor(dq_base, shape=[N_QUERIES, D_TILE], strides=[D_TILE, 1],
@@ -422,10 +427,8 @@ def flash_bwd_kv_kernel(
                                full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
                                CHECK_Q, CHECK_D, USE_TMA, PRECISION)
 
-    dk_dst = _tile_src(dK_ptr + batch * stride_dkb + kv_head * stride_dkh, stride_dkk, stride_dkd, N_KEYS,
-                       D, K_TILE_SIZE, D_TILE, USE_TMA)
-    dv_dst = _tile_src(dV_ptr + batch * stride_dvb + kv_head * stride_dvh, stride_dvk, stride_dvd, N_KEYS,
-                       D, K_TILE_SIZE, D_TILE, USE_TMA)
+    dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
+    dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     _store_tile(dk_dst, k_start, dk * scale, CHECK_K, CHECK_D, USE_TMA)
     _store_tile(dv_dst, k_start, dv, CHECK_K, CHECK_D, USE_TMA)
 
@@ -433,11 +436,7 @@ def flash_bwd_kv_kernel(
 @triton.jit
 def flash_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr,
-    stride_qb, stride_qh, stride_qq, stride_qd,
-    stride_kb, stride_kh, stride_kk, stride_kd,
-    stride_vb, stride_vh, stride_vk, stride_vd,
-    stride_dob, stride_doh, stride_doq, stride_dod,
-    stride_dqb, stride_dqh, stride_dqq, stride_dqd,
+    stride_q, stride_k, stride_v, stride_do, stride_dq,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr,
     Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
@@ -445,23 +444,14 @@ def flash_bwd_dq_kernel(
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
-    batch_head = tl.program_id(0)
-    q_tile = _tile_index(tl.program_id(1), tl.num_programs(1), is_causal and SKIP_MASKED_TILES)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
-    kv_head = head // KV_GROUP
-    q_start = q_tile * Q_TILE_SIZE
+    batch_head, batch, head, kv_head, q_start = _query_program(
+        N_HEADS, KV_GROUP, Q_TILE_SIZE, is_causal and SKIP_MASKED_TILES)
 
-    q_src = _tile_src(Q_ptr + batch * stride_qb + head * stride_qh, stride_qq, stride_qd, N_QUERIES,
-                      D, Q_TILE_SIZE, D_TILE, USE_TMA)
-    do_src = _tile_src(dO_ptr + batch * stride_dob + head * stride_doh, stride_doq, stride_dod, N_QUERIES,
-                       D, Q_TILE_SIZE, D_TILE, USE_TMA)
-    k_src = _tile_src(K_ptr + batch * stride_kb + kv_head * stride_kh, stride_kk, stride_kd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
-    v_src = _tile_src(V_ptr + batch * stride_vb + kv_head * stride_vh, stride_vk, stride_vd, N_KEYS,
-                      D, K_TILE_SIZE, D_TILE, USE_TMA)
-    dq_dst = _tile_src(dQ_ptr + batch * stride_dqb + head * stride_dqh, stride_dqq, stride_dqd, N_QUERIES,
-                       D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    q_src = _tile_src(Q_ptr, stride_q, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    do_src = _tile_src(dO_ptr, stride_do, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
+    k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
+                               D, K_TILE_SIZE, D_TILE, USE_TMA)
+    dq_dst = _tile_src(dQ_ptr, stride_dq, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
@@ -483,7 +473,7 @@ def flash_bwd_dq_kernel(
 
 @triton.jit
 def flash_bwd_dq_cast_kernel(
-    dQacc_ptr, dQ_ptr, stride_dqb, stride_dqh, stride_dqq, stride_dqd,
+    dQacc_ptr, dQ_ptr, stride_dq,
     N_HEADS, N_QUERIES, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
 ):
@@ -496,7 +486,7 @@ def flash_bwd_dq_cast_kernel(
     rows = (offs_q < N_QUERIES)[:, None]
     acc = tl.load(dQacc_ptr + batch_head.to(tl.int64) * N_QUERIES * D_TILE + offs_q[:, None] * D_TILE
                   + offs_d[None, :], mask=rows, other=0.0)
-    out = dQ_ptr + batch * stride_dqb + head * stride_dqh + offs_q[:, None] * stride_dqq + offs_d[None, :] * stride_dqd
+    out = _row_ptrs(dQ_ptr, stride_dq, batch, head, offs_q, offs_d)
     tl.store(out, (acc * scale).to(dQ_ptr.dtype.element_ty), mask=rows & (offs_d < D)[None, :])
 
 
@@ -559,8 +549,8 @@ class KernelSpec:
             if name.endswith("_ptr"):
                 fp32 = name in ("L_ptr", "Delta_ptr", "dQacc_ptr")
                 args.append(MockTensor(torch.float32 if fp32 else dtype))
-            elif name.startswith("stride_"):
-                args.append(_contiguous_stride(name, heads, seq, d))
+            elif name.startswith("stride_"):  # a (batch, head, seq, d) stride tuple
+                args.append((heads * seq * d, seq * d, d, 1))
             elif name == "N_HEADS":
                 args.append(heads)
             elif name == "KV_GROUP":
@@ -574,12 +564,6 @@ class KernelSpec:
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
                           USE_TMA=_tma_default(), PRECISION=_precision(dtype), **dict(self.constexprs))
         return args, constexprs
-
-
-def _contiguous_stride(name: str, heads: int, seq: int, d: int) -> int:
-    """The stride a contiguous (1, heads, seq, d) launch passes for an argument named stride_<tensor><axis>."""
-    axis = name[-1]
-    return {"b": heads * seq * d, "h": seq * d, "d": 1}.get(axis, d)
 
 
 _WIDE_Q_K = ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128))
@@ -754,7 +738,7 @@ def flash_forward_triton(
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     _fwd_launch(
         _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
-        (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+        (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
          heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale),
         opts, D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
         USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype),
@@ -784,25 +768,25 @@ def flash_backward_triton(
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = triton.cdiv(n_q, PREP_TILE)
-    _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, *o4.stride(), *do4.stride(), heads, n_q),
+    _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
                  D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
-    shared = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
+    shared = (q4.stride(), k4.stride(), v4.stride(), do4.stride())
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
                   PRECISION=_precision(q.dtype))
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
-        (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, *dk4.stride(), *dv4.stride(), *sizes),
+        (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),
         opts, **common, DQ_ATOMIC=atomic,
     )
     if atomic:
-        _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, *dq4.stride(), heads, n_q, scale),
+        _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
     else:
         _dq_launch(
             _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
-            (q4, k4, v4, do4, lse, delta, dq4, *shared, *dq4.stride(), *sizes),
+            (q4, k4, v4, do4, lse, delta, dq4, *shared, dq4.stride(), *sizes),
             opts, **common,
         )
     return dq, dk, dv
