@@ -1,8 +1,10 @@
-"""Shared helpers of the attention tests: the float64 reference, inputs, error checks."""
+"""Shared test helpers: the attention tests' float64 reference, inputs and error checks; the toy model
+of the distributed tests."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from cs336_basics.model import causal_mask, scaled_dot_product_attention
 
@@ -69,3 +71,28 @@ def check_against_float64(ours, q, k, v, do, is_causal, rule, reference=None):
             err, base_err = max_err(x, ref), max_err(base, ref)
             assert err <= bound * base_err + 1e-5, (
                 f"{name}: max |ours - fp64| = {err:.3g} > {bound:g} x PyTorch {q.dtype} error {base_err:.3g}")
+
+
+class ToyModel(nn.Module):
+    """Linear layers with biases, a LayerNorm and a frozen parameter; with `extras` also an unused
+    parameter and a buffer (what a DDP wrapper must skip or broadcast)."""
+
+    def __init__(self, out_features: int = 8, extras: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, out_features, bias=False)
+        self.frozen = nn.Parameter(torch.randn(out_features), requires_grad=False)
+        if extras:
+            self.unused = nn.Linear(3, 3)  # trainable, never in the graph: its grad stays None
+        self.register_buffer("scale", torch.rand(out_features) + 0.5 if extras else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(self.norm(torch.relu(self.fc1(x))))
+        if self.scale is not None:
+            out = out * self.scale
+        return out + self.frozen
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()

@@ -27,6 +27,7 @@ from torch import nn
 from cs336_systems.distributed.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, assign_buckets
 from cs336_systems.distributed.launch import launch
 from tests import adapters
+from tests.helpers import ToyModel
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -45,26 +46,6 @@ VARIANTS = [
     ("bucketed", 100.0),
 ]
 MODELS = ("toy", "tied")
-
-
-class ToyModel(nn.Module):
-    """Linear layers with biases, a LayerNorm, a frozen parameter, an unused parameter and a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(10, 16)
-        self.norm = nn.LayerNorm(16)
-        self.fc2 = nn.Linear(16, 8, bias=False)
-        self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
-        self.unused = nn.Linear(3, 3)  # trainable, never in the graph: its grad stays None
-        self.register_buffer("scale", torch.rand(8) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.norm(torch.relu(self.fc1(x)))) * self.scale + self.frozen
-
-    @staticmethod
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ((out - target) ** 2).mean()
 
 
 class TiedModel(nn.Module):
@@ -273,16 +254,6 @@ def test_no_process_group_is_a_clear_error(make):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         make(nn.Linear(2, 2))
-
-
-@pytest.fixture
-def single_rank_group():
-    """A one-rank Gloo group in this process, for checks that need a group but no peers."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("make", WRAPPERS)

@@ -19,6 +19,7 @@ from cs336_systems.distributed.ddp import DDPBucketed
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from tests import adapters
+from tests.helpers import ToyModel
 
 WORLD_SIZE = 2
 STEPS = 5
@@ -27,21 +28,9 @@ TOL = dict(rtol=1e-10, atol=1e-12)
 SCENARIOS = ("groups", "add_group", "ddp_sgd", "one_param")
 
 
-class ToyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(10, 16)
-        self.norm = nn.LayerNorm(16)
-        self.fc2 = nn.Linear(16, 4, bias=False)
-        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.norm(torch.relu(self.fc1(x)))) + self.frozen
-
-
 def make_model(scenario: str) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Linear(10, 4, bias=False) if scenario == "one_param" else ToyModel()
+    model = nn.Linear(10, 4, bias=False) if scenario == "one_param" else ToyModel(out_features=4, extras=False)
     return model.double()
 
 
@@ -160,15 +149,6 @@ def test_no_process_group_is_a_clear_error():
 def test_optimizer_cls_must_be_an_optimizer_class(bad):
     with pytest.raises(TypeError, match="optimizer_cls"):
         ShardedOptimizer(nn.Linear(2, 2).parameters(), bad, lr=0.1)
-
-
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_bad_parameters(single_rank_group):
