@@ -28,6 +28,7 @@ fp32 inputs follow `torch.get_float32_matmul_precision()`: "highest" -> IEEE fp3
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -609,7 +610,9 @@ FIXED_CONFIG = (16, 16, 1, 1) if INTERPRET else (64, 64, 4, 3)
 PREP_TILE = 16 if INTERPRET else 64
 
 
+@functools.cache
 def _tma_default() -> bool:
+    """TMA where the GPU has it (Hopper and newer); asked once, at the first launch, not at import."""
     return not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
