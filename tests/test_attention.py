@@ -346,6 +346,20 @@ def test_flash_double_backward_raises_clearly(impl):
         torch.autograd.grad(o.sum(), q, create_graph=True)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU interpreter switch")
+def test_flash_reads_triton_interpret_as_triton_does():
+    """TRITON_INTERPRET=true (which Triton accepts) runs the kernels on the CPU, as =1 does."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; import cs336_systems.flash_triton as ft; x = torch.randn(1, 8, 16); "
+            "o = ft.flash_attention(x, x, x, True); assert ft.INTERPRET and o.shape == x.shape; print('ok')")
+    env = {**os.environ, "TRITON_INTERPRET": "true"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_flash_accepts_numpy_bool():
     x = torch.randn(1, 8, 16, device=DEVICE)
     o = IMPLS["triton"]().apply(x, x, x, np.bool_(True))
