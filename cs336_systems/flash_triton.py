@@ -313,8 +313,7 @@ def flash_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
     stride_q, stride_k, stride_v, stride_o,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
@@ -381,8 +380,7 @@ def flash_bwd_kv_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
@@ -439,8 +437,7 @@ def flash_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dq,  # (batch, head, seq, d) strides of each tensor
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, D_TILE: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
