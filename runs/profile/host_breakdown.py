@@ -1,0 +1,132 @@
+"""Where the host time of one short-sequence call goes (issue 9): a diagnostic, not a benchmark.
+
+Batch 1, 16 heads, seq 1024, d 64, bf16, causal. Host µs per call (median of --iters; the queue
+drained before each call, not after) of the layers of our op, from a bare Triton launch up to
+torch.autograd.grad, then cProfile of the forward and the backward, the state of our cached launch
+path, and the compiled (default and reduce-overhead) calls: do_bench fwd+bwd and a torch.profiler
+table. Everything goes to --out (text); the cs336-bench `overhead` rows are the recorded figures.
+
+    python3 runs/profile/host_breakdown.py --out $OUT/host_breakdown.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from cs336_systems import flash_triton as ft
+
+
+@triton.jit
+def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def host_us(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def profile_text(fn, calls: int = 200, rows: int = 30) -> str:
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(rows)
+    return s.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--seq", type=int, default=1024)
+    args = ap.parse_args()
+    lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
+             f"shape (1, 16, {args.seq}, 64) bf16 causal; host µs = median over {args.iters} calls"]
+
+    def say(text):
+        print(text, flush=True)
+        lines.append(text)
+
+    q, k, v, do = (torch.randn(1, 16, args.seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    x = torch.zeros(1024, device="cuda")
+    jit_launch = lambda: _noop_kernel[(1,)](x, 1024, BLOCK=1024)  # noqa: E731
+    compiled = _noop_kernel[(1,)](x, 1024, BLOCK=1024)
+    direct = lambda: compiled[(1, 1, 1)](x, 1024)  # noqa: E731
+    say(f"triton noop, JITFunction launch: {host_us(jit_launch, args.iters):.1f}")
+    say(f"triton noop, CompiledKernel[grid](...): {host_us(direct, args.iters):.1f}")
+    say(f"torch.empty_like(q): {host_us(lambda: torch.empty_like(q), args.iters):.1f}")
+    say(f"launch_enter_hook: {triton.knobs.runtime.launch_enter_hook!r}")
+
+    o, lse = ft.flash_forward_triton(q, k, v, True)
+    ft.flash_backward_triton(q, k, v, o, lse, do, True)
+    say(f"flash_forward_triton: {host_us(lambda: ft.flash_forward_triton(q, k, v, True), args.iters):.1f}")
+    say(f"flash_backward_triton: {host_us(lambda: ft.flash_backward_triton(q, k, v, o, lse, do, True), args.iters):.1f}")
+    for name in ("_fwd_launch", "_kv_launch", "_dq_launch", "_prep_launch"):
+        say(f"{name}: {len(getattr(ft, name).entries)} cached entries")
+    say(f"FlashAttention2Triton.apply, no grad: "
+        f"{host_us(lambda: ft.FlashAttention2Triton.apply(q, k, v, True), args.iters):.1f}")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    fwd = lambda: ft.FlashAttention2Triton.apply(qg, kg, vg, True)  # noqa: E731
+    say(f"FlashAttention2Triton.apply, requires_grad: {host_us(fwd, args.iters):.1f}")
+    og = fwd()
+    bwd = lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+    say(f"torch.autograd.grad: {host_us(bwd, args.iters):.1f}")
+    say(f"GPU (do_bench median µs): fwd {triton.testing.do_bench(fwd, return_mode='median') * 1e3:.1f}, "
+        f"bwd {triton.testing.do_bench(bwd, return_mode='median') * 1e3:.1f}")
+    say("--- cProfile forward (apply, requires_grad) x200\n" + profile_text(fwd))
+    say("--- cProfile backward (autograd.grad) x200\n" + profile_text(bwd))
+
+    def step(attn):
+        o = attn(qg, kg, vg, True)
+        o.sum().backward()
+
+    eager = ft.FlashAttention2Triton.apply
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        attn = torch.compile(eager, mode=mode, dynamic=False)
+        for _ in range(5):
+            step(attn)
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(lambda: step(attn), return_mode="median")
+        say(f"compiled mode={mode}: fwd+bwd do_bench median {ms * 1e3:.1f} µs; "
+            f"host per step {host_us(lambda: step(attn), args.iters):.1f}")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step(attn)
+            torch.cuda.synchronize()
+        say(f"--- torch.profiler, compiled mode={mode}, 10 steps\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    ms = triton.testing.do_bench(lambda: step(eager), return_mode="median")
+    say(f"eager: fwd+bwd do_bench median {ms * 1e3:.1f} µs; host per step {host_us(lambda: step(eager), args.iters):.1f}")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
