@@ -116,42 +116,10 @@ def _store_tile(dst, row, value, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2**x for x <= 0 on the FMA units instead of the MUFU: 2**round(x) goes into the exponent bits,
-    2**f (|f| <= 1/2) is a degree-3 polynomial (coefficients fitted here for minimal relative
-    error: 7.5e-5 at most, below bf16's and fp16's rounding; never used for fp32 inputs)."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0                                       # 1.5·2**23: t's low mantissa bits hold round(x)
-    f = x - (t - 12582912.0)
-    p = ((0.05517166853 * f + 0.2426111400) * f + 0.6932609677) * f + 0.9999280572
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, POLY: tl.constexpr):
-    """exp2 of a 2-d tile; with POLY = n (2 or 4), one column in n goes to `_exp2_poly` (the FMA units)
-    and the rest to the MUFU, so the two units share the exponentials (FlashAttention-4's trick)."""
-    rows: tl.constexpr = x.shape[0]
-    cols: tl.constexpr = x.shape[1]
-    if POLY == 0:
-        return tl.math.exp2(x)
-    elif POLY == 2:
-        a, b = tl.split(tl.reshape(x, (rows, cols // 2, 2)))
-        return tl.reshape(tl.join(tl.math.exp2(a), _exp2_poly(b)), (rows, cols))
-    else:
-        a, b = tl.split(tl.reshape(x, (rows, cols // 2, 2)))
-        b0, b1 = tl.split(tl.reshape(b, (rows, cols // 4, 2)))
-        b = tl.reshape(tl.join(tl.math.exp2(b0), _exp2_poly(b1)), (rows, cols // 2))
-        return tl.reshape(tl.join(tl.math.exp2(a), b), (rows, cols))
-
-
-@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    EXP_POLY: tl.constexpr,
 ):
     """Online softmax over key tiles [start, stop); m_i is the running max of the base-2 scores."""
     for k_start in range(start, stop, K_TILE_SIZE):
@@ -169,7 +137,7 @@ def _fwd_tiles(
             p = tl.math.exp2(s - m_new[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = _exp2(s * qk_scale - m_new[:, None], EXP_POLY)              # one FMA per score
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])                 # one FMA per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -182,7 +150,6 @@ def _bwd_kv_tiles(
     dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
     Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    EXP_POLY: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """dK, dV of one key tile over query tiles [start, stop), in transposed form (keys on rows).
 
@@ -202,16 +169,11 @@ def _bwd_kv_tiles(
             lse = tl.load(L_ptr + offs_q) * LOG2E
             delta = tl.load(Delta_ptr + offs_q)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # (Bk, Bq), unscaled
-        if EARLY_DP:
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)      # (Bk, Bq)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)          # (Bk, Bq), before P: it
+        pT = tl.math.exp2(sT * qk_scale - lse[None, :])                    # overlaps the exp2 (lse in base 2)
         if MASKED:
-            pT = tl.math.exp2(sT * qk_scale - lse[None, :])                # lse in base 2
             pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
-        else:
-            pT = _exp2(sT * qk_scale - lse[None, :], EXP_POLY)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        if not EARLY_DP:
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)      # (Bk, Bq)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
         if DQ_ATOMIC:
@@ -233,26 +195,20 @@ def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    EXP_POLY: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """dQ of one query tile over key tiles [start, stop) (the deterministic design's second pass)."""
     for k_start in range(start, stop, K_TILE_SIZE):
         k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
         v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)             # (Bq, Bk), unscaled
-        if EARLY_DP:
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)       # (Bq, Bk)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)           # (Bq, Bk), before P's exp2
+        p = tl.math.exp2(s * qk_scale - lse[:, None])
         if MASKED:
-            p = tl.math.exp2(s * qk_scale - lse[:, None])
             offs_k = k_start + tl.arange(0, K_TILE_SIZE)
             keep = offs_k[None, :] < N_KEYS
             if is_causal:
                 keep = keep & (offs_q[:, None] >= offs_k[None, :])
             p = tl.where(keep, p, 0.0)
-        else:
-            p = _exp2(s * qk_scale - lse[:, None], EXP_POLY)
-        if not EARLY_DP:
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)       # (Bq, Bk)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq, input_precision=PRECISION)
     return dq
@@ -359,7 +315,7 @@ def flash_fwd_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, EXP_POLY: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
     batch_head, batch, head, kv_head, q_start = _query_program(
@@ -379,9 +335,9 @@ def flash_fwd_kernel(
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
-                               K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, EXP_POLY)
+                               K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
-                               K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, EXP_POLY)
+                               K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2
@@ -428,7 +384,6 @@ def flash_bwd_kv_kernel(
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
-    EXP_POLY: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
 
@@ -466,10 +421,10 @@ def flash_bwd_kv_kernel(
         row_delta = Delta_ptr + batch_head * N_QUERIES
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, EXP_POLY, EARLY_DP)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, EXP_POLY, EARLY_DP)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -485,7 +440,6 @@ def flash_bwd_dq_kernel(
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
-    EXP_POLY: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
     batch_head, batch, head, kv_head, q_start = _query_program(
@@ -509,9 +463,9 @@ def flash_bwd_dq_kernel(
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
     dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
-                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, EXP_POLY, EARLY_DP)
+                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
     dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
-                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, EXP_POLY, EARLY_DP)
+                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
 
@@ -607,8 +561,6 @@ class KernelSpec:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
                           USE_TMA=_tma_default(), PRECISION=_precision(dtype), **dict(self.constexprs))
-        variant = dict(EXP_POLY=DEFAULT_OPTIONS.exp_poly, EARLY_DP=DEFAULT_OPTIONS.early_dp)
-        constexprs.update({name: value for name, value in variant.items() if name in self.jit.arg_names})
         return args, constexprs
 
 
@@ -643,8 +595,6 @@ class KernelOptions:
     autotune: bool = True            # False: one fixed config per kernel
     deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
-    exp_poly: int = 0                # 16-bit inputs: one exponential in n (2, 4) by polynomial on the FMA units
-    early_dp: bool = False           # backward: dP's matmul issued before P's exponentials
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -693,11 +643,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _exp_poly(opts: KernelOptions, dtype: torch.dtype) -> int:
-    """The share of exponentials on the FMA units: 16-bit inputs only (the polynomial's 7.5e-5)."""
-    return opts.exp_poly if dtype in (torch.bfloat16, torch.float16) else 0
 
 
 def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
@@ -796,7 +741,7 @@ def flash_forward_triton(
         (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
          heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale),
         opts, D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype), EXP_POLY=_exp_poly(opts, q.dtype),
+        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype),
     )
     return o, lse
 
@@ -829,7 +774,7 @@ def flash_backward_triton(
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
-                  PRECISION=_precision(q.dtype), EXP_POLY=_exp_poly(opts, q.dtype), EARLY_DP=opts.early_dp)
+                  PRECISION=_precision(q.dtype))
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),

@@ -178,18 +178,6 @@ def test_flash_atomic_backward_matches_float64(shape, is_causal, dtype, rule):
     check_against_float64(ours, q, k, v, do, is_causal, rule)
 
 
-@pytest.mark.parametrize("is_causal", CAUSAL)
-@pytest.mark.parametrize("dtype,rule", DTYPE_CASES[1:])
-@pytest.mark.parametrize("exp_poly,early_dp", [(2, False), (4, True)], ids=["poly2", "poly4-early-dp"])
-def test_flash_kernel_variants_match_float64(exp_poly, early_dp, dtype, rule, is_causal):
-    """Exponentials shared with a polynomial on the FMA units, dP issued first: the same function."""
-    from cs336_systems.flash_triton import KernelOptions, autograd_function
-
-    fn = autograd_function("FlashVariant", KernelOptions(exp_poly=exp_poly, early_dp=early_dp))
-    q, k, v, do = make_inputs((2, 100, 70, 32), dtype, DEVICE, seed=16)
-    check_against_float64(run(fn.apply, q, k, v, do, is_causal), q, k, v, do, is_causal, rule)
-
-
 @pytest.mark.parametrize("leading", [(), (2,), (2, 3), (2, 2, 2)], ids=["2d", "3d", "4d", "5d"])
 def test_flash_functional_api_any_leading_dims(leading):
     from cs336_systems.flash_triton import flash_attention

@@ -70,16 +70,6 @@ PLANS = {
         dq=_grid(((128, 64), (64, 64), (128, 32), (64, 32), (128, 128)), WARPS, (2, 3)),
         dq_fixed=(64, 64, 4, 3),
     ),
-    # run 4: the exponentials shared with a polynomial on the FMA units (one in 4 or 2), and the
-    # backward's dP matmul issued before P's exponentials, around run 1's winners
-    "variants": dict(
-        shape=SHAPE,
-        fwd={f"fwd/tma{v}": [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)] for v in ("", "+poly4", "+poly2")},
-        kv={f"bwd/det-tma{v}": [(32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)]
-            for v in ("", "+early", "+poly4", "+poly4+early", "+poly2")},
-        dq=[(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-        dq_fixed=(128, 64, 4, 3),
-    ),
 }
 
 
@@ -90,15 +80,12 @@ def flops(mode: str, shape=SHAPE) -> float:
 
 
 def options(design: str, configs: dict):
-    """KernelOptions of a design name: kind/mode[+polyN][+early] (N: one exponential in N by polynomial;
-    early: the backward issues dP's matmul before P's exponentials)."""
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    mode, *flags = mode.split("+")
-    poly = next((int(f.removeprefix("poly")) for f in flags if f.startswith("poly")), 0)
-    return KernelOptions(autotune=False, tma=mode.endswith("tma"), deterministic=mode.startswith("det"),
-                         exp_poly=poly, early_dp="early" in flags, configs=tuple(sorted(configs.items())))
+    tma = mode.endswith("tma")
+    return KernelOptions(autotune=False, tma=tma, deterministic=mode.startswith("det"),
+                         configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):

@@ -76,7 +76,7 @@ def main() -> None:
     x = torch.zeros(1024, device="cuda")
     jit_launch = lambda: _noop_kernel[(1,)](x, 1024, BLOCK=1024)  # noqa: E731
     compiled = _noop_kernel[(1,)](x, 1024, BLOCK=1024)
-    direct = lambda: compiled[(1, 1, 1)](x, 1024)  # noqa: E731
+    direct = lambda: compiled[(1, 1, 1)](x, 1024, 1024)  # noqa: E731  (constexprs too)
     say(f"triton noop, JITFunction launch: {host_us(jit_launch, args.iters):.1f}")
     say(f"triton noop, CompiledKernel[grid](...): {host_us(direct, args.iters):.1f}")
     say(f"torch.empty_like(q): {host_us(lambda: torch.empty_like(q), args.iters):.1f}")
