@@ -652,6 +652,19 @@ def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
     return use
 
 
+def _launch_hooks_installed() -> bool:
+    """Whether a profiler (e.g. proton) hooks Triton's launches: then every launch goes through Triton.
+    Triton 3.6 keeps the hooks in a HookChain (never None; empty when none is installed), older
+    versions a callable or None."""
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_cache_sizes() -> dict[str, int]:
+    """Compiled kernels the fast launch path holds, per launcher (argument signatures seen)."""
+    return {launcher.name: len(launcher.entries) for launcher in _LAUNCHERS}
+
+
 class _Launcher:
     """Launches one kernel; remembers, per argument signature, the compiled kernel and its grid.
 
@@ -675,7 +688,7 @@ class _Launcher:
             fixed = dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile)
             self.kernel.fn[grid(fixed)](*args, **constexprs, **fixed, num_warps=warps, num_stages=stages)
             return
-        if INTERPRET or triton.knobs.runtime.launch_enter_hook is not None:
+        if INTERPRET or _launch_hooks_installed():
             self.kernel[grid](*args, **constexprs)
             return
         key = (torch.cuda.current_device(), *constexprs.values(),
@@ -702,6 +715,7 @@ _kv_launch = _Launcher(flash_bwd_kv_autotuned, "kv")
 _dq_launch = _Launcher(flash_bwd_dq_autotuned, "dq")
 _prep_launch = _Launcher(flash_bwd_prep_kernel, "prep")
 _cast_launch = _Launcher(flash_bwd_dq_cast_kernel, "cast")
+_LAUNCHERS = (_fwd_launch, _kv_launch, _dq_launch, _prep_launch, _cast_launch)
 
 
 def _tiles_grid(first: int, n: int, tile_name: str):
@@ -952,5 +966,5 @@ def flash_attention(
 __all__ = [
     "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "KernelOptions", "KernelSpec",
     "attention_backward", "attention_forward", "autograd_function", "flash_attention", "flash_attn_bwd",
-    "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "make_configs",
+    "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "launch_cache_sizes", "make_configs",
 ]

@@ -108,10 +108,12 @@ def test_flash_fp32_follows_matmul_precision(precision, bound):
 def test_flash_fast_launch_path_keeps_specializations_apart():
     """Repeated calls reuse a compiled kernel per argument signature: an unaligned view and a
     different length right after an aligned one must still be right."""
-    from cs336_systems.flash_triton import flash_attention
+    from cs336_systems.flash_triton import flash_attention, launch_cache_sizes
 
     base = _randn(1, 2, 1024 * 64 + 8, seed=50).view(-1)
     for offset, seq in ((0, 512), (1, 512), (0, 512), (3, 500), (0, 512)):
         q = base[offset:offset + 2 * seq * 64].view(1, 2, seq, 64)
         ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True)
         assert rel_err(flash_attention(q, q, q, True), ref) < 1e-2, (offset, seq)
+    # the fast path ran: one entry per signature (aligned and not, 512 and 500), not zero
+    assert launch_cache_sizes()["fwd"] >= 3, launch_cache_sizes()

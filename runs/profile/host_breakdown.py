@@ -86,8 +86,7 @@ def main() -> None:
     ft.flash_backward_triton(q, k, v, o, lse, do, True)
     say(f"flash_forward_triton: {host_us(lambda: ft.flash_forward_triton(q, k, v, True), args.iters):.1f}")
     say(f"flash_backward_triton: {host_us(lambda: ft.flash_backward_triton(q, k, v, o, lse, do, True), args.iters):.1f}")
-    for name in ("_fwd_launch", "_kv_launch", "_dq_launch", "_prep_launch"):
-        say(f"{name}: {len(getattr(ft, name).entries)} cached entries")
+    say(f"fast launch path, cached signatures: {ft.launch_cache_sizes()}")
     say(f"FlashAttention2Triton.apply, no grad: "
         f"{host_us(lambda: ft.FlashAttention2Triton.apply(q, k, v, True), args.iters):.1f}")
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
