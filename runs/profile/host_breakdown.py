@@ -3,8 +3,8 @@
 Batch 1, 16 heads, seq 1024, d 64, bf16, causal. Host µs per call (median of --iters; the queue
 drained before each call, not after) of the layers of our op, from a bare Triton launch up to
 torch.autograd.grad, then cProfile of the forward and the backward, the state of our cached launch
-path, and the compiled (default and reduce-overhead) calls: do_bench fwd+bwd and a torch.profiler
-table. Everything goes to --out (text); the cs336-bench `overhead` rows are the recorded figures.
+path, and the compiled (default and reduce-overhead) calls: do_bench fwd+bwd, host time per step
+and cProfile of the compiled forward. Everything goes to --out (text); the cs336-bench `overhead` rows are the recorded figures.
 
     python3 runs/profile/host_breakdown.py --out $OUT/host_breakdown.txt
 """
@@ -45,7 +45,7 @@ def host_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def profile_text(fn, calls: int = 200, rows: int = 30) -> str:
+def profile_text(fn, calls: int = 200, rows: int = 30, sort: str = "tottime") -> str:
     fn()
     torch.cuda.synchronize()
     pr = cProfile.Profile()
@@ -55,7 +55,7 @@ def profile_text(fn, calls: int = 200, rows: int = 30) -> str:
     pr.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(pr, stream=s).sort_stats(sort).print_stats(rows)
     return s.getvalue()
 
 
@@ -114,13 +114,10 @@ def main() -> None:
         ms = triton.testing.do_bench(lambda: step(attn), return_mode="median")
         say(f"compiled mode={mode}: fwd+bwd do_bench median {ms * 1e3:.1f} µs; "
             f"host per step {host_us(lambda: step(attn), args.iters):.1f}")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                step(attn)
-            torch.cuda.synchronize()
-        say(f"--- torch.profiler, compiled mode={mode}, 10 steps\n"
-            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        if mode is None:
+            say("--- cProfile, compiled forward x200 (cumulative)\n"
+                + profile_text(lambda: attn(qg, kg, vg, True), sort="cumulative", rows=45))
+        say(f"after compiling: fast path {ft.launch_cache_sizes()}, hooks installed {ft._launch_hooks_installed()}")
     ms = triton.testing.do_bench(lambda: step(eager), return_mode="median")
     say(f"eager: fwd+bwd do_bench median {ms * 1e3:.1f} µs; host per step {host_us(lambda: step(eager), args.iters):.1f}")
     with open(args.out, "w") as f:
