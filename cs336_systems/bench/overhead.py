@@ -2,8 +2,12 @@
 
 At a short sequence (default batch 1, 16 heads, seq 1024, d 64, bf16, causal) launch overhead, not
 the kernels, can bound the step time. Per implementation (names of the `impls` registry) and mode:
-  fwd  attn(q, k, v, is_causal)
-  bwd  torch.autograd.grad(o, (q, k, v), dO, retain_graph=True) on one forward's output
+  fwd      attn(q, k, v, is_causal)
+  bwd      torch.autograd.grad(o, (q, k, v), dO, retain_graph=True) on one forward's output
+  fwd_bwd  torch.autograd.grad(attn(q, k, v, is_causal), (q, k, v), dO): one training step's attention
+CUDA-graph implementations (`*_cudagraphs`) get fwd_bwd only: CUDA-graph trees replay a forward and
+its backward as a pair, and forwards without their backward (or one backward run again) leave the
+fast path and re-record, which times the recording, not the op (rows "unsupported" with the reason).
 three numbers are recorded:
   host_us  median (p20/p80) over `--iters` calls of the wall time the Python call takes to return,
            the device synchronized before each call (untimed) and not after it: the CPU cost of
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
+from cs336_systems.bench.record import Unsupported
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -28,7 +33,8 @@ if TYPE_CHECKING:
 
 NAME = "overhead"
 HELP = "host microseconds per call of each implementation's forward and backward, beside the GPU time"
-MODES = ("fwd", "bwd")
+MODES = ("fwd", "bwd", "fwd_bwd")
+PAIRED_ONLY = "CUDA-graph trees replay forward and backward as a pair: see mode fwd_bwd"
 FIELDS = {"mode": str, "dtype": str, "batch": int, "n_heads": int, "seq_len": int, "d_head": int,
           "is_causal": bool}
 OK_FIELDS = {"ms": (int, float), "host_us": (int, float), "wall_ms": (int, float)}
@@ -72,7 +78,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         built: dict = {}
 
         def measure(mode: str) -> dict[str, float]:
-            if "attn" not in built:  # inside the measurement: Unsupported becomes its row
+            if mode != "fwd_bwd" and impls.parse(impl)[1] == "reduce-overhead":
+                raise Unsupported(PAIRED_ONLY)  # inside the measurement: Unsupported becomes its row
+            if "attn" not in built:
                 built["attn"] = impls.build(impl, impls.Setup(device, args.dtype, args.seq, backend))
             attn = built["attn"]
             q, k, v = (torch.randn(args.batch, args.n_heads, args.seq, args.d, device=device,
@@ -82,12 +90,18 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 def call():
                     return attn(q, k, v, args.causal)
 
-            else:
+            elif mode == "bwd":
                 o = attn(q, k, v, args.causal)
                 do = torch.randn_like(o)
 
                 def call():
                     return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+            else:
+                do = torch.randn_like(q)
+
+                def call():
+                    return torch.autograd.grad(attn(q, k, v, args.causal), (q, k, v), do)
 
             host = host_times(call, device, iters=args.iters, warmup=args.warmup)
             gpu = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
@@ -148,7 +162,7 @@ def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: t
         ax.bar(x + 0.2, gpu, 0.4, color=colors, hatch="//", edgecolor="white", alpha=0.6)
         ax.set_xticks(x, [report.impl_label(i) for i in names], fontsize=8, rotation=20, ha="right")
         ax.set_ylabel("µs per call (median; lower is better)")
-        ax.set_title({"fwd": "forward", "bwd": "backward"}[mode], fontsize=10)
+        ax.set_title({"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}[mode], fontsize=10)
         ax.legend(handles=[Patch(color="#808080", label="host (Python call)"),
                            Patch(facecolor="#808080", hatch="//", edgecolor="white", alpha=0.6, label="GPU")],
                   fontsize=8)

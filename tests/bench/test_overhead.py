@@ -16,13 +16,24 @@ def test_smoke_overhead(tmp_path):
     rows = rows_of(tmp_path, "overhead")
     check_rows(rows, "overhead", ("host_us", "host_us_p20", "host_us_p80", "wall_ms", "iters", "warmup_iters"))
     assert {(r["impl"], r["mode"], r["status"]) for r in rows} == {
-        (i, m, "ok") for i in ("flash_triton", "sdpa_math") for m in ("fwd", "bwd")
+        (i, m, "ok") for i in ("flash_triton", "sdpa_math") for m in ("fwd", "bwd", "fwd_bwd")
     }
     for r in rows:
         assert r["host_us"] > 0 and r["host_us_p20"] <= r["host_us"] <= r["host_us_p80"]
         assert (r["batch"], r["n_heads"], r["seq_len"], r["d_head"], r["is_causal"]) == (1, 2, 32, 16, True)
     table = check_report(tmp_path, "overhead")
-    assert "fwd host µs" in table and "| ours |" in table
+    assert "fwd host µs" in table and "fwd_bwd host µs" in table and "| ours |" in table
+
+
+def test_overhead_cuda_graphs_time_forward_and_backward_as_a_pair(tmp_path):
+    """A CUDA-graph impl's lone forward or backward would time re-recording: unsupported rows that say so."""
+    from cs336_systems.bench.overhead import PAIRED_ONLY
+
+    assert run_cli("overhead", "--smoke", "--impls", "flash_triton_cudagraphs", "--out", str(tmp_path)) == 0
+    rows = {r["mode"]: r for r in rows_of(tmp_path, "overhead")}
+    assert set(rows) == {"fwd", "bwd", "fwd_bwd"} and all(r["status"] == "unsupported" for r in rows.values())
+    assert rows["fwd"]["error"] == rows["bwd"]["error"] == PAIRED_ONLY
+    assert "CPU" in rows["fwd_bwd"]["error"]  # cannot compile here; on a GPU the pair is timed
 
 
 def test_host_times_measure_the_call_not_waiting():
