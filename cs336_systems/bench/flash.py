@@ -5,6 +5,12 @@ triton.testing.do_bench (median and 20th/80th percentiles) per mode:
   fwd      o = attn(q, k, v)
   bwd      o.backward(dO, retain_graph=True) on one precomputed output and a random dO
   fwd_bwd  attn(q, k, v).backward(dO)
+Besides `peak_mem_mb` (the whole measurement's peak: do_bench's 256 MiB L2-flush buffer and the
+gradients its warm-up accumulates included), each CUDA row records `call_peak_mem_mb`: the peak of one
+more call after the timing, gradients freed first, so only the inputs (q, k, v, dO; in bwd mode also
+the forward's saved tensors) and what the call allocates are live, and `floor_mem_mb`: the bytes the
+mode must hold at least (fwd_bwd and bwd: q, k, v, o, dO, dq, dk, dv and the fp32 row logsumexp;
+fwd: q, k, v, o).
 Implementations: any name of the `impls` registry (`--impls`); by default naive, ours (flash_triton)
 and the SDPA flash, cuDNN and memory-efficient backends as references. A backend that rejects a dtype
 gets an "unsupported" row.
@@ -55,16 +61,23 @@ def check(args: argparse.Namespace) -> None:
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from cs336_systems.bench.timing import bench
+    from cs336_systems.bench.timing import bench, one_call_peak_mib
 
     timing = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, grad_to_none=[q, k, v])
     if mode == "fwd":
-        return bench(lambda: attn(q, k, v, is_causal), device, **timing)
-    dout = torch.randn_like(q)
-    if mode == "bwd":
-        out = attn(q, k, v, is_causal)
-        return bench(lambda: out.backward(dout, retain_graph=True), device, **timing)
-    return bench(lambda: attn(q, k, v, is_causal).backward(dout), device, **timing)
+        call = lambda: attn(q, k, v, is_causal)  # noqa: E731
+    else:
+        dout = torch.randn_like(q)
+        if mode == "bwd":
+            out = attn(q, k, v, is_causal)
+            call = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
+        else:
+            call = lambda: attn(q, k, v, is_causal).backward(dout)  # noqa: E731
+    result = bench(call, device, **timing)
+    tensors = 4 if mode == "fwd" else 8  # q, k, v, o (+ dO, dq, dk, dv)
+    lse = 0 if mode == "fwd" else q.numel() // q.shape[-1] * 4
+    return {**result, "call_peak_mem_mb": one_call_peak_mib(call, device, grads_of=[q, k, v]),
+            "floor_mem_mb": (tensors * q.numel() * q.element_size() + lse) / 2**20}
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

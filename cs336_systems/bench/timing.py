@@ -166,6 +166,20 @@ def harness_bench(fn: Callable[[], Any], device: torch.device, warmup_ms: float,
     return summarize_ms(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
 
 
+def one_call_peak_mib(fn: Callable[[], Any], device: torch.device, grads_of: list[torch.Tensor]) -> float | None:
+    """Peak memory allocated (MiB) while one call of `fn` runs, the gradients of `grads_of` freed
+    first: what is live before the call (its inputs) plus what it allocates. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    for t in grads_of:
+        t.grad = None
+    synchronize(device)
+    reset_peak_memory(device)
+    fn()
+    synchronize(device)
+    return peak_memory_mib(device)
+
+
 def attention_flops(mode: str, batch: int, n_heads: int, seq_len: int, d_head: int, is_causal: bool) -> float:
     """FLOPs of one attention call: fwd = 4*B*H*S^2*D (halved when causal), bwd = 2.5x, fwd_bwd = 3.5x."""
     fwd = 4.0 * batch * n_heads * seq_len**2 * d_head * (0.5 if is_causal else 1.0)

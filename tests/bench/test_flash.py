@@ -15,6 +15,11 @@ def test_smoke_flash(tmp_path):
             assert by_impl[(impl, mode)]["status"] == "ok"
             assert by_impl[(impl, mode)]["tflops"] > 0
     assert {r["impl"] for r in rows} >= {"sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
+    for r in rows:  # no CUDA here: no one-call peak; the floor is q, k, v, o (+ dO, dq, dk, dv, L) in fp32
+        if r["status"] == "ok":
+            n = r["batch"] * r["seq_len"] * r["d_head"] * 4
+            floor = 4 * n if r["mode"] == "fwd" else 8 * n + r["batch"] * r["seq_len"] * 4
+            assert r["call_peak_mem_mb"] is None and r["floor_mem_mb"] == floor / 2**20
     table = check_report(tmp_path, "flash")
     assert "| naive | ours |" in table and "| ours vs naive |" in table  # the shipped kernel is "ours"
     assert (tmp_path / "flash" / "flash_speedup_fp32_fwd.png").exists()
