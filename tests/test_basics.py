@@ -309,15 +309,17 @@ def _train_step(loss_fn, model, opt, inputs, targets):
     return loss.detach()
 
 
-def test_model_flash_attention_compiled_fullgraph_training_step() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_model_flash_attention_compiled_fullgraph_training_step(device: str) -> None:
     """attention="flash": training steps whose forward + loss are compiled with fullgraph=True (no
     graph break at attention; the backward is the compiled graph's) match the reference model's
-    (CPU: the kernels through Triton's interpreter), in loss and in the weights after the steps."""
+    (CPU: the kernels through Triton's interpreter; CUDA: the compiled kernels), in loss and in the
+    weights after the steps."""
     torch.manual_seed(13)
-    ref = BasicsTransformerLM(**TINY)
-    flash = BasicsTransformerLM(**TINY, attention="flash")
+    ref = BasicsTransformerLM(**TINY).to(device)
+    flash = BasicsTransformerLM(**TINY, attention="flash").to(device)
     flash.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, TINY["vocab_size"], (2, 17))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 17), device=device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     opts = [AdamW(m.parameters(), lr=1e-3) for m in (ref, flash)]
     torch._dynamo.reset()
