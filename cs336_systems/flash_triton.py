@@ -652,7 +652,7 @@ def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
     return use
 
 
-def _launch_hooks_installed() -> bool:
+def launch_hooks_installed() -> bool:
     """Whether a profiler (e.g. proton) hooks Triton's launches: then every launch goes through Triton.
     Triton 3.6 keeps the hooks in a HookChain (never None; empty when none is installed), older
     versions a callable or None."""
@@ -688,7 +688,7 @@ class _Launcher:
             fixed = dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile)
             self.kernel.fn[grid(fixed)](*args, **constexprs, **fixed, num_warps=warps, num_stages=stages)
             return
-        if INTERPRET or _launch_hooks_installed():
+        if INTERPRET or launch_hooks_installed():
             self.kernel[grid](*args, **constexprs)
             return
         key = (torch.cuda.current_device(), *constexprs.values(),
@@ -729,14 +729,18 @@ def _tiles_grid(first: int, n: int, tile_name: str):
     return grid
 
 
+def _check_head_dim(d: int) -> None:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is larger than the supported maximum {MAX_HEAD_DIM}")
+
+
 def _check_launchable(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got a tensor on {q.device} "
             "(set TRITON_INTERPRET=1 before importing cs336_systems.flash_triton to run them on the CPU)"
         )
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[-1]} is larger than the supported maximum {MAX_HEAD_DIM}")
+    _check_head_dim(q.shape[-1])
 
 
 def flash_forward_triton(
@@ -891,8 +895,7 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: Ke
     is_causal = check_attention_inputs(Q, K, V, is_causal, enable_gqa)
     scale = check_scale(scale, Q.shape[-1])
     deterministic = check_flag("deterministic", deterministic)
-    if Q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {Q.shape[-1]} is larger than the supported maximum {MAX_HEAD_DIM}")
+    _check_head_dim(Q.shape[-1])
     if opts is not DEFAULT_OPTIONS:  # ablation variants: the launchers run eagerly (a graph break)
         O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts)
     elif torch.compiler.is_compiling():
@@ -966,5 +969,6 @@ def flash_attention(
 __all__ = [
     "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "KernelOptions", "KernelSpec",
     "attention_backward", "attention_forward", "autograd_function", "flash_attention", "flash_attn_bwd",
-    "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "launch_cache_sizes", "make_configs",
+    "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "launch_cache_sizes",
+    "launch_hooks_installed", "make_configs",
 ]

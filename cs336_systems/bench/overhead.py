@@ -73,12 +73,13 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                  warmup_ms=args.warmup_ms)
     for impl in options.progress(args.impls, args, NAME):
         base = {**shape, "impl": impl}
-        if impls.parse(impl)[1] is not None:
+        compile_mode = impls.parse(impl)[1]
+        if compile_mode is not None:
             base["compile_backend"] = backend
         built: dict = {}
 
         def measure(mode: str) -> dict[str, float]:
-            if mode != "fwd_bwd" and impls.parse(impl)[1] == "reduce-overhead":
+            if mode != "fwd_bwd" and compile_mode == "reduce-overhead":
                 raise Unsupported(PAIRED_ONLY)  # inside the measurement: Unsupported becomes its row
             if "attn" not in built:
                 built["attn"] = impls.build(impl, impls.Setup(device, args.dtype, args.seq, backend))

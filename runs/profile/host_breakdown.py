@@ -117,7 +117,7 @@ def main() -> None:
         if mode is None:
             say("--- cProfile, compiled forward x200 (cumulative)\n"
                 + profile_text(lambda: attn(qg, kg, vg, True), sort="cumulative", rows=45))
-        say(f"after compiling: fast path {ft.launch_cache_sizes()}, hooks installed {ft._launch_hooks_installed()}")
+        say(f"after compiling: fast path {ft.launch_cache_sizes()}, hooks installed {ft.launch_hooks_installed()}")
     ms = triton.testing.do_bench(lambda: step(eager), return_mode="median")
     say(f"eager: fwd+bwd do_bench median {ms * 1e3:.1f} µs; host per step {host_us(lambda: step(eager), args.iters):.1f}")
     with open(args.out, "w") as f:
