@@ -31,7 +31,8 @@ def gpu_events(trace_path: str) -> list[tuple[str, float, float]]:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     kinds = ("kernel", "gpu_memset", "gpu_memcpy")
-    return sorted((e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") in kinds and "dur" in e)
+    found = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") in kinds and "dur" in e]
+    return sorted(found, key=lambda e: e[1])
 
 
 def steps_of(events, flush_min_us: float) -> list[list[tuple[str, float, float]]]:
@@ -96,7 +97,13 @@ def main() -> None:
             torch.cuda.synchronize()
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             prof.export_chrome_trace(tmp.name)
-            steps = steps_of(gpu_events(tmp.name), 0.5 * flush_us)[1:]  # the first may wait on the host
+            events = gpu_events(tmp.name)
+        steps = steps_of(events, 0.5 * flush_us)[1:]  # the first may wait on the host
+        if not steps:
+            say(f"\n=== {label}: no steps found in {len(events)} GPU events; the longest:")
+            for name, ts, dur in sorted(events, key=lambda e: -e[2])[:10]:
+                say(f"{dur:9.1f} µs  {name[:110]}")
+            continue
         spans = [s[-1][1] + s[-1][2] for s in steps]
         median = sorted(zip(spans, range(len(steps))))[len(steps) // 2][1]
         say(f"\n=== {label}: do_bench median {ms:.3f} ms; flush {flush_us:.0f} µs; {len(steps)} profiled steps")
