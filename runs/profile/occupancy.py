@@ -1,0 +1,82 @@
+"""Do two resident programs per SM overlap? A diagnostic of our kernels, not a benchmark.
+
+Each pass runs its shipped config (autotuner off) on a non-causal problem whose programs all have the
+same length, with exactly 132 × H programs (H = heads): one per SM at H = 1, two at H = 2 (what the
+registers allow at 255 per thread and 4 warps), two waves of two at H = 4. If the two programs of
+an SM overlapped perfectly (one's wgmmas under the other's exponentials), H = 2 would take as long as
+H = 1; if they did not overlap at all, twice as long. Per kernel (torch.profiler, mean of 10 calls):
+µs, and SM clocks per (program, inner iteration) at the clock read before the run.
+
+    python3 runs/profile/occupancy.py --out $OUT/occupancy.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from cs336_systems import flash_triton as ft
+
+SMS = 132
+TILE = 128  # the programs' tile along the parallel axis: kv K_TILE_SIZE, dq and fwd Q_TILE_SIZE (shipped)
+
+
+def kernel_us(fn, calls: int = 10) -> dict[str, float]:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--inner", type=int, default=4096, help="length of the other axis (iterated inside a program)")
+    args = ap.parse_args()
+    opts = ft.KernelOptions(autotune=False, configs=(
+        ("fwd", tuple(ft.FWD_CONFIGS[0].kwargs.values()) + (ft.FWD_CONFIGS[0].num_warps, ft.FWD_CONFIGS[0].num_stages)),
+        ("kv", tuple(ft.KV_CONFIGS[0].kwargs.values()) + (ft.KV_CONFIGS[0].num_warps, ft.KV_CONFIGS[0].num_stages)),
+        ("dq", tuple(ft.DQ_CONFIGS[0].kwargs.values()) + (ft.DQ_CONFIGS[0].num_warps, ft.DQ_CONFIGS[0].num_stages)),
+    ))
+    clock_mhz = torch.cuda.clock_rate()
+    lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
+             f"SM clock {clock_mhz} MHz; configs {dict(opts.configs)}"]
+    steps = {"fwd": ft.FWD_CONFIGS[0].kwargs["K_TILE_SIZE"], "kv": ft.KV_CONFIGS[0].kwargs["Q_TILE_SIZE"],
+             "dq": ft.DQ_CONFIGS[0].kwargs["K_TILE_SIZE"]}
+    lines.append(f"{'kernel':<22} {'heads':>5} {'programs':>8} {'µs':>9} {'clk/iter':>9}")
+    for heads in (1, 2, 4):
+        wide = SMS * TILE
+        # kv programs tile the keys: (Nq, Nk) = (inner, wide); dq and fwd programs tile the queries
+        for nq, nk, wanted in ((args.inner, wide, ("flash_bwd_kv_kernel",)),
+                               (wide, args.inner, ("flash_fwd_kernel", "flash_bwd_dq_kernel"))):
+            q = torch.randn(1, heads, nq, 64, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(1, heads, nk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            do = torch.randn_like(q)
+            o, lse = ft.flash_forward_triton(q, k, v, False, opts)
+
+            def call():
+                ft.flash_forward_triton(q, k, v, False, opts)
+                ft.flash_backward_triton(q, k, v, o, lse, do, False, opts)
+
+            times = kernel_us(call)
+            for name in wanted:
+                us = next(t for key, t in times.items() if key.startswith(name))
+                kind = {"flash_bwd_kv_kernel": "kv", "flash_fwd_kernel": "fwd", "flash_bwd_dq_kernel": "dq"}[name]
+                iters = args.inner // steps[kind]
+                per_sm_programs = heads  # 132 * heads programs over 132 SMs
+                clk = us * clock_mhz / (iters * per_sm_programs)
+                lines.append(f"{name:<22} {heads:>5} {SMS * heads:>8} {us:9.1f} {clk:9.0f}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
