@@ -1,9 +1,9 @@
 """The leaderboard ablation: FlashAttention-2 variants, each adding one step to the one before.
 
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
-TMA descriptors, deterministic two-pass backward). "atomic_dq" is the alternative to that last step's
-backward: the single-pass backward with fp32 atomic dQ (`deterministic=False`), measured slower on
-the H200. The earlier steps load tiles through block pointers (no TMA). `cs336-bench leaderboard
+TMA descriptors, deterministic two-pass backward whose passes issue dP's matmul before P's
+exponentials). "atomic_dq" is the alternative to the TMA step's backward: the single-pass backward
+with fp32 atomic dQ (`deterministic=False`), measured slower on the H200. The earlier steps load tiles through block pointers (no TMA). `cs336-bench leaderboard
 --variant all` times them with the course's harness; `runs/README.md` has the table.
 """
 
@@ -21,8 +21,9 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
         "FlashBwdTriton", KernelOptions(skip_masked_tiles=False, autotune=False, tma=False)),
     "causal_skip": autograd_function("FlashCausalSkip", KernelOptions(autotune=False, tma=False)),
     "autotune": autograd_function("FlashAutotune", KernelOptions(tma=False)),
+    "tma": autograd_function("FlashTma", KernelOptions(dp_first=False)),
     "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False)),
-    "tma": FlashAttention2Triton,
+    "dp_first": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]

@@ -150,6 +150,7 @@ def _bwd_kv_tiles(
     dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
     Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
     """dK, dV of one key tile over query tiles [start, stop), in transposed form (keys on rows).
 
@@ -169,8 +170,12 @@ def _bwd_kv_tiles(
             lse = tl.load(L_ptr + offs_q) * LOG2E
             delta = tl.load(Delta_ptr + offs_q)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # (Bk, Bq), unscaled
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)          # (Bk, Bq), before P: it
-        pT = tl.math.exp2(sT * qk_scale - lse[None, :])                    # overlaps the exp2 (lse in base 2)
+        if DP_FIRST:  # dP's matmul issued before P's exp2 (lse in base 2): measured faster
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)      # (Bk, Bq)
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+        else:
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if MASKED:
             pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -195,14 +200,19 @@ def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
     """dQ of one query tile over key tiles [start, stop) (the deterministic design's second pass)."""
     for k_start in range(start, stop, K_TILE_SIZE):
         k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
         v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)             # (Bq, Bk), unscaled
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)           # (Bq, Bk), before P's exp2
-        p = tl.math.exp2(s * qk_scale - lse[:, None])
+        if DP_FIRST:
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)       # (Bq, Bk)
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if MASKED:
             offs_k = k_start + tl.arange(0, K_TILE_SIZE)
             keep = offs_k[None, :] < N_KEYS
@@ -382,7 +392,7 @@ def flash_bwd_kv_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
@@ -421,10 +431,10 @@ def flash_bwd_kv_kernel(
         row_delta = Delta_ptr + batch_head * N_QUERIES
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -439,6 +449,7 @@ def flash_bwd_dq_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DP_FIRST: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
@@ -463,9 +474,9 @@ def flash_bwd_dq_kernel(
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
     dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
-                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
     dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
-                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
 
@@ -513,8 +524,9 @@ def _autotuned(fn, configs, extra_key=(), reset_to_zero=None):
 
 flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD)
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
-flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC"], ["dQacc_ptr"])
-flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ)
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST"],
+                                    ["dQacc_ptr"])
+flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST"])
 
 
 @dataclass(frozen=True)
@@ -569,12 +581,14 @@ _WIDE_KV = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128))
 KERNELS: dict[str, KernelSpec] = {
     "flash_fwd": KernelSpec("flash_fwd", flash_fwd_kernel, flash_fwd_autotuned, _WIDE_Q_K),
     "flash_bwd_kv_atomic": KernelSpec(
-        "flash_bwd_kv_atomic", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV, (("DQ_ATOMIC", True),)),
+        "flash_bwd_kv_atomic", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
+        (("DQ_ATOMIC", True), ("DP_FIRST", True))),
     "flash_bwd_kv": KernelSpec(
-        "flash_bwd_kv", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV, (("DQ_ATOMIC", False),)),
+        "flash_bwd_kv", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
+        (("DQ_ATOMIC", False), ("DP_FIRST", True))),
     "flash_bwd_dq": KernelSpec(
         "flash_bwd_dq", flash_bwd_dq_kernel, flash_bwd_dq_autotuned,
-        ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))),
+        ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)), (("DP_FIRST", True),)),
 }
 AUTOTUNED_KERNELS = {
     "flash_fwd": flash_fwd_autotuned, "flash_bwd_kv": flash_bwd_kv_autotuned, "flash_bwd_dq": flash_bwd_dq_autotuned,
@@ -595,6 +609,7 @@ class KernelOptions:
     autotune: bool = True            # False: one fixed config per kernel
     deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
+    dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -792,7 +807,7 @@ def flash_backward_triton(
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
-                  PRECISION=_precision(q.dtype))
+                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),

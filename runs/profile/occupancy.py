@@ -5,7 +5,9 @@ same length, with exactly 132 × H programs (H = heads): one per SM at H = 1, tw
 registers allow at 255 per thread and 4 warps), two waves of two at H = 4. If the two programs of
 an SM overlapped perfectly (one's wgmmas under the other's exponentials), H = 2 would take as long as
 H = 1; if they did not overlap at all, twice as long. Per kernel (torch.profiler, mean of 10 calls):
-µs, and SM clocks per (program, inner iteration) at the clock read before the run.
+µs, and ns per (SM, inner iteration): the kernel time over the iterations one SM runs.
+(The output of 2b93f7b had a column of SM clocks per iteration at the clock read before the run,
+which was the idle clock, 345 MHz: a wrong scale. Its µs are right.)
 
     python3 runs/profile/occupancy.py --out $OUT/occupancy.txt
 """
@@ -44,12 +46,11 @@ def main() -> None:
         ("kv", tuple(ft.KV_CONFIGS[0].kwargs.values()) + (ft.KV_CONFIGS[0].num_warps, ft.KV_CONFIGS[0].num_stages)),
         ("dq", tuple(ft.DQ_CONFIGS[0].kwargs.values()) + (ft.DQ_CONFIGS[0].num_warps, ft.DQ_CONFIGS[0].num_stages)),
     ))
-    clock_mhz = torch.cuda.clock_rate()
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
-             f"SM clock {clock_mhz} MHz; configs {dict(opts.configs)}"]
+             f"configs {dict(opts.configs)}"]
     steps = {"fwd": ft.FWD_CONFIGS[0].kwargs["K_TILE_SIZE"], "kv": ft.KV_CONFIGS[0].kwargs["Q_TILE_SIZE"],
              "dq": ft.DQ_CONFIGS[0].kwargs["K_TILE_SIZE"]}
-    lines.append(f"{'kernel':<22} {'heads':>5} {'programs':>8} {'µs':>9} {'clk/iter':>9}")
+    lines.append(f"{'kernel':<22} {'heads':>5} {'programs':>8} {'µs':>9} {'ns/SM-iter':>10}")
     for heads in (1, 2, 4):
         wide = SMS * TILE
         # kv programs tile the keys: (Nq, Nk) = (inner, wide); dq and fwd programs tile the queries
@@ -70,8 +71,8 @@ def main() -> None:
                 kind = {"flash_bwd_kv_kernel": "kv", "flash_fwd_kernel": "fwd", "flash_bwd_dq_kernel": "dq"}[name]
                 iters = args.inner // steps[kind]
                 per_sm_programs = heads  # 132 * heads programs over 132 SMs
-                clk = us * clock_mhz / (iters * per_sm_programs)
-                lines.append(f"{name:<22} {heads:>5} {SMS * heads:>8} {us:9.1f} {clk:9.0f}")
+                ns = 1e3 * us / (iters * per_sm_programs)
+                lines.append(f"{name:<22} {heads:>5} {SMS * heads:>8} {us:9.1f} {ns:10.1f}")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as f:
