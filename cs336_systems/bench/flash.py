@@ -61,7 +61,7 @@ def check(args: argparse.Namespace) -> None:
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from cs336_systems.bench.timing import bench, one_call_peak_mib
+    from cs336_systems.bench.timing import bench, one_call_peak_mib, peak_memory_mib
 
     timing = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, grad_to_none=[q, k, v])
     if mode == "fwd":
@@ -74,9 +74,11 @@ def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argpar
         else:
             call = lambda: attn(q, k, v, is_causal).backward(dout)  # noqa: E731
     result = bench(call, device, **timing)
+    whole = peak_memory_mib(device)  # read now: one_call_peak_mib resets the counter
     tensors = 4 if mode == "fwd" else 8  # q, k, v, o (+ dO, dq, dk, dv)
     lse = 0 if mode == "fwd" else q.numel() // q.shape[-1] * 4
-    return {**result, "call_peak_mem_mb": one_call_peak_mib(call, device, grads_of=[q, k, v]),
+    return {**result, "peak_mem_mb": whole,
+            "call_peak_mem_mb": one_call_peak_mib(call, device, grads_of=[q, k, v]),
             "floor_mem_mb": (tensors * q.numel() * q.element_size() + lse) / 2**20}
 
 
