@@ -70,6 +70,15 @@ PLANS = {
         dq=_grid(((128, 64), (64, 64), (128, 32), (64, 32), (128, 128)), WARPS, (2, 3)),
         dq_fixed=(64, 64, 4, 3),
     ),
+    # run 5: the atomic design with dQ's matmul issued before dV's and dK's, beside the shipped two-pass
+    "atomic_order": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/atomic-tma": [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3)]},
+        dq=[(128, 64, 4, 3)],
+        dq_fixed=(128, 64, 4, 3),
+    ),
 }
 
 
