@@ -178,15 +178,11 @@ def _bwd_kv_tiles(
             dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if MASKED:
             pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
-        if not DQ_ATOMIC:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-            dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
-        else:  # dQ's matmul first: the wait for it before its store then leaves dV's and dK's in flight
-            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+        if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)      # (Bq, D), unscaled
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-            dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
             if USE_TMA:
                 dq_dst.atomic_add([q_start, 0], dq)
             else:
