@@ -2,9 +2,10 @@
 
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
 TMA descriptors, deterministic two-pass backward whose passes issue dP's matmul before P's
-exponentials). "atomic_dq" is the alternative to the TMA step's backward: the single-pass backward
-with fp32 atomic dQ (`deterministic=False`), measured slower on the H200. The earlier steps load tiles through block pointers (no TMA). `cs336-bench leaderboard
---variant all` times them with the course's harness; `runs/README.md` has the table.
+exponentials). "tma" is the same kernel with the other order (`dp_first=False`). "atomic_dq" is the
+alternative backward: the single-pass backward with fp32 atomic dQ (`deterministic=False`), measured
+slower on the H200. The steps before "tma" load tiles through block pointers. `cs336-bench
+leaderboard --variant all` times them with the course's harness; `runs/README.md` has the table.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ The course harness times `o = flash(q, k, v, True); o.sum().backward()` with do_
 implementation this script runs do_bench (all samples kept; the SM clock before and after), then
 do_bench's timed loop (flush, event, step, event) under torch.profiler, and prints per step the event
 time, the GPU span of the step's kernels and their sum, then every kernel of the median step with its
-start (µs after the flush ends), its duration and the idle gap before it. Everything goes to --out (text); the recorded
-figures are the `cs336-bench leaderboard` rows.
+start (µs after the flush ends), its duration and the idle gap before it. Everything goes to --out
+(text); the recorded figures are the `cs336-bench leaderboard` rows.
 
     python3 runs/profile/harness_timeline.py --out $OUT/harness_timeline.txt
 """
