@@ -660,8 +660,12 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _tma_wanted(opts: KernelOptions) -> bool:
+    return _tma_default() if opts.tma is None else opts.tma
+
+
 def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
-    use = (_tma_default() if opts.tma is None else opts.tma) and _tma_ok(*tensors)
+    use = _tma_wanted(opts) and _tma_ok(*tensors)
     if use:
         triton.set_allocator(_scratch)
     return use
@@ -785,7 +789,7 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
-    if (_tma_default() if opts.tma is None else opts.tma) and not _tma_ok(do4) and _tma_ok(q4, k4, v4):
+    if _tma_wanted(opts) and not _tma_ok(do4) and _tma_ok(q4, k4, v4):
         # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one
         # copy (the size of O) keeps both passes on TMA instead of dropping them to block pointers.
         do4 = do4.contiguous()
