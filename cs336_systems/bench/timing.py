@@ -168,7 +168,8 @@ def harness_bench(fn: Callable[[], Any], device: torch.device, warmup_ms: float,
 
 def one_call_peak_mib(fn: Callable[[], Any], device: torch.device, grads_of: list[torch.Tensor]) -> float | None:
     """Peak memory allocated (MiB) while one call of `fn` runs, the gradients of `grads_of` freed
-    first: what is live before the call (its inputs) plus what it allocates. None off CUDA."""
+    first: what is live before the call (its inputs) plus what it allocates. None off CUDA.
+    Resets the device's peak counter: inside `Recorder.measure`, read the whole measurement's peak first."""
     if device.type != "cuda":
         return None
     for t in grads_of:
@@ -178,6 +179,21 @@ def one_call_peak_mib(fn: Callable[[], Any], device: torch.device, grads_of: lis
     fn()
     synchronize(device)
     return peak_memory_mib(device)
+
+
+def kernel_times_us(fn: Callable[[], Any], calls: int = 10) -> dict[str, float]:
+    """CUDA time per kernel name (µs, mean over `calls` calls of `fn`), from torch.profiler; run `fn` once
+    before (compiling, autotuning) so that only the timed calls are profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
 
 
 def attention_flops(mode: str, batch: int, n_heads: int, seq_len: int, d_head: int, is_causal: bool) -> float:

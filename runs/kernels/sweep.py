@@ -203,20 +203,10 @@ def check_design(design, configs, d=64):
 
 def profile_kernels(design, configs, tensors):
     """CUDA time per kernel (µs, mean of 10 calls) of one design, from torch.profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from cs336_systems.bench.timing import kernel_times_us
 
     run_once(design, configs, tensors)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            run_once(design, configs, tensors)
-        torch.cuda.synchronize()
-    times = {}
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.count:
-            times[evt.key] = getattr(evt, "device_time_total", 0.0) / 10
-    return times
+    return kernel_times_us(lambda: run_once(design, configs, tensors))
 
 
 def main():

@@ -20,20 +20,13 @@ import torch
 import triton
 
 from cs336_systems import flash_triton as ft
+from cs336_systems.bench.timing import kernel_times_us
 
 SMS = 132
 TILE = 128  # the programs' tile along the parallel axis: kv K_TILE_SIZE, dq and fwd Q_TILE_SIZE (shipped)
-
-
-def kernel_us(fn, calls: int = 10) -> dict[str, float]:
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.device_time_total / calls for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
+# per pass: its kernel's name and the tile its programs iterate over (the other one tiles the grid)
+PASSES = {"fwd": ("flash_fwd_kernel", "K_TILE_SIZE"), "kv": ("flash_bwd_kv_kernel", "Q_TILE_SIZE"),
+          "dq": ("flash_bwd_dq_kernel", "K_TILE_SIZE")}
 
 
 def main() -> None:
@@ -41,21 +34,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--inner", type=int, default=4096, help="length of the other axis (iterated inside a program)")
     args = ap.parse_args()
-    opts = ft.KernelOptions(autotune=False, configs=(
-        ("fwd", tuple(ft.FWD_CONFIGS[0].kwargs.values()) + (ft.FWD_CONFIGS[0].num_warps, ft.FWD_CONFIGS[0].num_stages)),
-        ("kv", tuple(ft.KV_CONFIGS[0].kwargs.values()) + (ft.KV_CONFIGS[0].num_warps, ft.KV_CONFIGS[0].num_stages)),
-        ("dq", tuple(ft.DQ_CONFIGS[0].kwargs.values()) + (ft.DQ_CONFIGS[0].num_warps, ft.DQ_CONFIGS[0].num_stages)),
-    ))
+    shipped = {"fwd": ft.FWD_CONFIGS[0], "kv": ft.KV_CONFIGS[0], "dq": ft.DQ_CONFIGS[0]}
+    opts = ft.KernelOptions(autotune=False, configs=tuple(
+        (kind, (c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"], c.num_warps, c.num_stages))
+        for kind, c in shipped.items()))
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
              f"configs {dict(opts.configs)}"]
-    steps = {"fwd": ft.FWD_CONFIGS[0].kwargs["K_TILE_SIZE"], "kv": ft.KV_CONFIGS[0].kwargs["Q_TILE_SIZE"],
-             "dq": ft.DQ_CONFIGS[0].kwargs["K_TILE_SIZE"]}
     lines.append(f"{'kernel':<22} {'heads':>5} {'programs':>8} {'µs':>9} {'ns/SM-iter':>10}")
     for heads in (1, 2, 4):
         wide = SMS * TILE
         # kv programs tile the keys: (Nq, Nk) = (inner, wide); dq and fwd programs tile the queries
-        for nq, nk, wanted in ((args.inner, wide, ("flash_bwd_kv_kernel",)),
-                               (wide, args.inner, ("flash_fwd_kernel", "flash_bwd_dq_kernel"))):
+        for nq, nk, kinds in ((args.inner, wide, ("kv",)), (wide, args.inner, ("fwd", "dq"))):
             q = torch.randn(1, heads, nq, 64, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(1, heads, nk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             do = torch.randn_like(q)
@@ -65,13 +54,13 @@ def main() -> None:
                 ft.flash_forward_triton(q, k, v, False, opts)
                 ft.flash_backward_triton(q, k, v, o, lse, do, False, opts)
 
-            times = kernel_us(call)
-            for name in wanted:
+            call()
+            times = kernel_times_us(call)
+            for kind in kinds:
+                name, inner_tile = PASSES[kind]
                 us = next(t for key, t in times.items() if key.startswith(name))
-                kind = {"flash_bwd_kv_kernel": "kv", "flash_fwd_kernel": "fwd", "flash_bwd_dq_kernel": "dq"}[name]
-                iters = args.inner // steps[kind]
-                per_sm_programs = heads  # 132 * heads programs over 132 SMs
-                ns = 1e3 * us / (iters * per_sm_programs)
+                iters = args.inner // shipped[kind].kwargs[inner_tile]
+                ns = 1e3 * us / (iters * heads)  # 132 * heads programs over 132 SMs
                 lines.append(f"{name:<22} {heads:>5} {SMS * heads:>8} {us:9.1f} {ns:10.1f}")
     text = "\n".join(lines) + "\n"
     print(text)
