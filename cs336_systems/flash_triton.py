@@ -116,6 +116,17 @@ def _store_tile(dst, row, value, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
+def _resident(t, IN_REGISTERS: tl.constexpr):
+    """A loop-invariant tile as a computed value (an exact no-op add), so that the dots it is the left
+    operand of take it from registers (wgmma's RS form) instead of reading it from shared memory in
+    every iteration; Triton 3.6 feeds a loaded left operand from shared memory. Or the tile as loaded."""
+    if IN_REGISTERS:
+        return (t + 0.0).to(t.dtype)
+    else:
+        return t
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
@@ -142,38 +153,6 @@ def _fwd_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _fwd_tiles_overlapped(
-    acc, m_i, l_i, q, k_src, v_src, start, stop, qk_scale,
-    K_TILE_SIZE: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """`_fwd_tiles` over whole unmasked key tiles [start, stop), software-pipelined by one tile: the
-    P·V matmul of tile j is issued after tile j+1's scores, so it runs on the tensor cores under tile
-    j+1's exponentials. (Triton 3.6 waits for a dot whose result the same iteration reads right after
-    issuing it, but lets an accumulating dot run on until the next such wait.) V is loaded a tile late."""
-    if start < stop:
-        s = tl.dot(q, tl.trans(_load_tile(k_src, start, CHECK_K, CHECK_D, USE_TMA)), input_precision=PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        for k_start in range(start + K_TILE_SIZE, stop, K_TILE_SIZE):
-            s = tl.dot(q, tl.trans(_load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)),
-                       input_precision=PRECISION)
-            v = _load_tile(v_src, k_start - K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)  # tile j-1
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-        v = _load_tile(v_src, stop - K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -228,56 +207,6 @@ def _bwd_kv_tiles(
 
 
 @triton.jit
-def _row_stats(L_ptr, Delta_ptr, q_start, N_QUERIES, Q_TILE_SIZE: tl.constexpr, CHECK_Q: tl.constexpr):
-    """The base-2 logsumexp and delta of query rows [q_start, q_start + Q_TILE_SIZE); 0 past the end."""
-    offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    if CHECK_Q:
-        in_range = offs_q < N_QUERIES
-        return (tl.load(L_ptr + offs_q, mask=in_range, other=0.0) * LOG2E,
-                tl.load(Delta_ptr + offs_q, mask=in_range, other=0.0))
-    else:
-        return tl.load(L_ptr + offs_q) * LOG2E, tl.load(Delta_ptr + offs_q)
-
-
-@triton.jit
-def _bwd_kv_tiles_overlapped(
-    dk, dv, k, v, q_src, do_src, L_ptr, Delta_ptr, start, stop, N_QUERIES, qk_scale,
-    Q_TILE_SIZE: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """`_bwd_kv_tiles` of the two-pass design over unmasked query tiles [start, stop), software-pipelined
-    by one tile: the dV and dK matmuls of tile i are issued after tile i+1's S and dP, so they run on the
-    tensor cores under tile i+1's exponentials and dS. Q and dO of tile i are loaded again for them."""
-    if start < stop:
-        q = _load_tile(q_src, start, CHECK_Q, CHECK_D, USE_TMA)
-        do = _load_tile(do_src, start, CHECK_Q, CHECK_D, USE_TMA)
-        lse, delta = _row_stats(L_ptr, Delta_ptr, start, N_QUERIES, Q_TILE_SIZE, CHECK_Q)
-        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)            # (Bk, Bq), unscaled
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)          # (Bk, Bq)
-        pT = tl.math.exp2(sT * qk_scale - lse[None, :])
-        dsT = pT * (dpT - delta[None, :])
-        for q_start in range(start + Q_TILE_SIZE, stop, Q_TILE_SIZE):
-            q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-            do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-            lse, delta = _row_stats(L_ptr, Delta_ptr, q_start, N_QUERIES, Q_TILE_SIZE, CHECK_Q)
-            sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            prev = q_start - Q_TILE_SIZE                                   # the tile before, in flight:
-            do_prev = _load_tile(do_src, prev, CHECK_Q, CHECK_D, USE_TMA)
-            dv = tl.dot(pT.to(do_prev.dtype), do_prev, dv, input_precision=PRECISION)
-            q_prev = _load_tile(q_src, prev, CHECK_Q, CHECK_D, USE_TMA)
-            dk = tl.dot(dsT.to(q_prev.dtype), q_prev, dk, input_precision=PRECISION)
-            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
-            dsT = pT * (dpT - delta[None, :])
-        last = start + ((stop - start - 1) // Q_TILE_SIZE) * Q_TILE_SIZE
-        do = _load_tile(do_src, last, CHECK_Q, CHECK_D, USE_TMA)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        q = _load_tile(q_src, last, CHECK_Q, CHECK_D, USE_TMA)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
-
-
-@triton.jit
 def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
@@ -303,34 +232,6 @@ def _bwd_dq_tiles(
             p = tl.where(keep, p, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq, input_precision=PRECISION)
-    return dq
-
-
-@triton.jit
-def _bwd_dq_tiles_overlapped(
-    dq, q, do, lse, delta, k_src, v_src, start, stop, qk_scale,
-    K_TILE_SIZE: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """`_bwd_dq_tiles` over whole unmasked key tiles [start, stop), software-pipelined by one tile: the
-    dQ matmul of tile j is issued after tile j+1's S and dP, so it runs under tile j+1's exponentials
-    and dS. K of tile j is loaded again for it."""
-    if start < stop:
-        k = _load_tile(k_src, start, CHECK_K, CHECK_D, USE_TMA)
-        v = _load_tile(v_src, start, CHECK_K, CHECK_D, USE_TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = tl.math.exp2(s * qk_scale - lse[:, None]) * (dp - delta[:, None])
-        for k_start in range(start + K_TILE_SIZE, stop, K_TILE_SIZE):
-            k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
-            v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            k_prev = _load_tile(k_src, k_start - K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA)
-            dq = tl.dot(ds.to(k_prev.dtype), k_prev, dq, input_precision=PRECISION)  # tile j-1, in flight
-            ds = tl.math.exp2(s * qk_scale - lse[:, None]) * (dp - delta[:, None])
-        k = _load_tile(k_src, stop - K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
@@ -435,7 +336,7 @@ def flash_fwd_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    OVERLAP: tl.constexpr,
+    A_IN_REGISTERS: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
@@ -448,19 +349,15 @@ def flash_fwd_kernel(
     o_dst = _tile_src(O_ptr, stride_o, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+    q = _resident(_load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
     m_i = tl.full((Q_TILE_SIZE,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_TILE_SIZE,), dtype=tl.float32)
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    if OVERLAP:
-        acc, m_i, l_i = _fwd_tiles_overlapped(acc, m_i, l_i, q, k_src, v_src, 0, full_stop, qk_scale,
-                                              K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA, PRECISION)
-    else:
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
-                                   K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+                               K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
                                K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
 
@@ -507,7 +404,7 @@ def flash_bwd_kv_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, OVERLAP: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, A_IN_REGISTERS: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
@@ -523,8 +420,8 @@ def flash_bwd_kv_kernel(
 
     k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                                D, K_TILE_SIZE, D_TILE, USE_TMA)
-    k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
-    v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+    k = _resident(_load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA), A_IN_REGISTERS)
+    v = _resident(_load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA), A_IN_REGISTERS)
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
     dk = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     dv = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
@@ -547,15 +444,9 @@ def flash_bwd_kv_kernel(
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
                                CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
-        if OVERLAP:
-            tl.static_assert(not DQ_ATOMIC, "the overlapped loop is the two-pass design's")
-            dk, dv = _bwd_kv_tiles_overlapped(dk, dv, k, v, q_src, do_src, row_L, row_delta, full_start,
-                                              N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, CHECK_Q, CHECK_D,
-                                              USE_TMA, PRECISION)
-        else:
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
-                                   full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False,
-                                   DQ_ATOMIC, CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
+                               full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -570,7 +461,7 @@ def flash_bwd_dq_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr, OVERLAP: tl.constexpr,
+    DP_FIRST: tl.constexpr, A_IN_REGISTERS: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
@@ -584,8 +475,8 @@ def flash_bwd_dq_kernel(
     dq_dst = _tile_src(dQ_ptr, stride_dq, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-    do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+    q = _resident(_load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
+    do = _resident(_load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
     row = batch_head.to(tl.int64) * N_QUERIES
     in_range = offs_q < N_QUERIES
     lse = tl.load(L_ptr + row + offs_q, mask=in_range, other=0.0) * LOG2E
@@ -594,12 +485,8 @@ def flash_bwd_dq_kernel(
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    if OVERLAP:
-        dq = _bwd_dq_tiles_overlapped(dq, q, do, lse, delta, k_src, v_src, 0, full_stop, qk_scale,
-                                      K_TILE_SIZE, CHECK_K, CHECK_D, USE_TMA, PRECISION)
-    else:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
-                           K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
     dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
                        K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
@@ -647,11 +534,11 @@ def _autotuned(fn, configs, extra_key=(), reset_to_zero=None):
     )(triton.heuristics(_EVEN_HEURISTICS)(fn))
 
 
-flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD, ["OVERLAP"])
+flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD, ["A_IN_REGISTERS"])
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
-flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST", "OVERLAP"],
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST", "A_IN_REGISTERS"],
                                     ["dQacc_ptr"])
-flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST", "OVERLAP"])
+flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST", "A_IN_REGISTERS"])
 
 
 @dataclass(frozen=True)
@@ -697,8 +584,9 @@ class KernelSpec:
             else:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
-                          USE_TMA=_tma_default(), PRECISION=_precision(dtype), OVERLAP=DEFAULT_OPTIONS.overlap)
-        return args, {**constexprs, **dict(self.constexprs)}
+                          USE_TMA=_tma_default(), PRECISION=_precision(dtype),
+                          A_IN_REGISTERS=DEFAULT_OPTIONS.a_in_registers, **dict(self.constexprs))
+        return args, constexprs
 
 
 _WIDE_Q_K = ((64, 32), (64, 64), (64, 128), (128, 64), (128, 128))
@@ -707,7 +595,7 @@ KERNELS: dict[str, KernelSpec] = {
     "flash_fwd": KernelSpec("flash_fwd", flash_fwd_kernel, flash_fwd_autotuned, _WIDE_Q_K),
     "flash_bwd_kv_atomic": KernelSpec(
         "flash_bwd_kv_atomic", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
-        (("DQ_ATOMIC", True), ("DP_FIRST", True), ("OVERLAP", False))),
+        (("DQ_ATOMIC", True), ("DP_FIRST", True))),
     "flash_bwd_kv": KernelSpec(
         "flash_bwd_kv", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
         (("DQ_ATOMIC", False), ("DP_FIRST", True))),
@@ -735,8 +623,7 @@ class KernelOptions:
     deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
-    overlap: bool = False            # unmasked loops software-pipelined: a tile's accumulating matmuls
-                                     # run under the next tile's exponentials (two-pass backward only)
+    a_in_registers: bool = False     # loop-invariant left operands (fwd Q; kv K, V; dq Q, dO) in registers
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -905,7 +792,7 @@ def flash_forward_triton(
         (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
          heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale),
         opts, D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype), OVERLAP=opts.overlap,
+        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype), A_IN_REGISTERS=opts.a_in_registers,
     )
     return o, lse
 
@@ -938,11 +825,11 @@ def flash_backward_triton(
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
-                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
+                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first, A_IN_REGISTERS=opts.a_in_registers)
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),
-        opts, **common, DQ_ATOMIC=atomic, OVERLAP=opts.overlap and not atomic,
+        opts, **common, DQ_ATOMIC=atomic,
     )
     if atomic:
         _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
@@ -951,7 +838,7 @@ def flash_backward_triton(
         _dq_launch(
             _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
             (q4, k4, v4, do4, lse, delta, dq4, *shared, dq4.stride(), *sizes),
-            opts, **common, OVERLAP=opts.overlap,
+            opts, **common,
         )
     return dq, dk, dv
 
