@@ -116,17 +116,6 @@ def _store_tile(dst, row, value, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
-def _resident(t, IN_REGISTERS: tl.constexpr):
-    """A loop-invariant tile as a computed value (an exact no-op add), so that the dots it is the left
-    operand of take it from registers (wgmma's RS form) instead of reading it from shared memory in
-    every iteration; Triton 3.6 feeds a loaded left operand from shared memory. Or the tile as loaded."""
-    if IN_REGISTERS:
-        return (t + 0.0).to(t.dtype)
-    else:
-        return t
-
-
-@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
@@ -336,7 +325,6 @@ def flash_fwd_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    A_IN_REGISTERS: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
@@ -349,7 +337,7 @@ def flash_fwd_kernel(
     o_dst = _tile_src(O_ptr, stride_o, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    q = _resident(_load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
+    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
     m_i = tl.full((Q_TILE_SIZE,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_TILE_SIZE,), dtype=tl.float32)
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
@@ -404,7 +392,7 @@ def flash_bwd_kv_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, A_IN_REGISTERS: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
@@ -420,8 +408,8 @@ def flash_bwd_kv_kernel(
 
     k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                                D, K_TILE_SIZE, D_TILE, USE_TMA)
-    k = _resident(_load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA), A_IN_REGISTERS)
-    v = _resident(_load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA), A_IN_REGISTERS)
+    k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
+    v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
     dk = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     dv = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
@@ -461,7 +449,7 @@ def flash_bwd_dq_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr, A_IN_REGISTERS: tl.constexpr,
+    DP_FIRST: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
@@ -475,8 +463,8 @@ def flash_bwd_dq_kernel(
     dq_dst = _tile_src(dQ_ptr, stride_dq, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    q = _resident(_load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
-    do = _resident(_load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA), A_IN_REGISTERS)
+    q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+    do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
     row = batch_head.to(tl.int64) * N_QUERIES
     in_range = offs_q < N_QUERIES
     lse = tl.load(L_ptr + row + offs_q, mask=in_range, other=0.0) * LOG2E
@@ -534,11 +522,11 @@ def _autotuned(fn, configs, extra_key=(), reset_to_zero=None):
     )(triton.heuristics(_EVEN_HEURISTICS)(fn))
 
 
-flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD, ["A_IN_REGISTERS"])
+flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD)
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
-flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST", "A_IN_REGISTERS"],
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST"],
                                     ["dQacc_ptr"])
-flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST", "A_IN_REGISTERS"])
+flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST"])
 
 
 @dataclass(frozen=True)
@@ -584,8 +572,7 @@ class KernelSpec:
             else:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
-                          USE_TMA=_tma_default(), PRECISION=_precision(dtype),
-                          A_IN_REGISTERS=DEFAULT_OPTIONS.a_in_registers, **dict(self.constexprs))
+                          USE_TMA=_tma_default(), PRECISION=_precision(dtype), **dict(self.constexprs))
         return args, constexprs
 
 
@@ -623,7 +610,6 @@ class KernelOptions:
     deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
-    a_in_registers: bool = False     # loop-invariant left operands (fwd Q; kv K, V; dq Q, dO) in registers
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -792,7 +778,7 @@ def flash_forward_triton(
         (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
          heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale),
         opts, D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype), A_IN_REGISTERS=opts.a_in_registers,
+        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype),
     )
     return o, lse
 
@@ -825,7 +811,7 @@ def flash_backward_triton(
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
-                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first, A_IN_REGISTERS=opts.a_in_registers)
+                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),

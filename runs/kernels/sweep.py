@@ -2,10 +2,9 @@
 
 One call times every (design, config) of a plan with fixed configs (no autotuner), beside PyTorch
 SDPA's flash and cuDNN backends in the same process:
-  fwd/<tma|ptr>[-reg]      the forward, TMA descriptors or block pointers (-reg: loop-invariant left
-                           operands in registers, KernelOptions.a_in_registers);
+  fwd/<tma|ptr>            the forward, TMA descriptors or block pointers;
   bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or atom.add);
-  bwd/det-<tma|ptr>[-reg]  the deterministic two-pass backward (kv configs run with the plan's fixed
+  bwd/det-<tma|ptr>        the deterministic two-pass backward (kv configs run with the plan's fixed
                            dq config, then dq configs with the best kv config).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
@@ -81,17 +80,6 @@ PLANS = {
         dq=[(128, 64, 4, 3)],
         dq_fixed=(128, 64, 4, 3),
     ),
-    # run 7: loop-invariant left operands in registers (KernelOptions.a_in_registers, designs "-reg")
-    # beside the shipped kernels; only configs that ptxas compiles without spills or C75xx warnings
-    "resident": dict(
-        shape=SHAPE,
-        fwd={"fwd/tma": [(128, 128, 4, 3)],
-             "fwd/tma-reg": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3)]},
-        kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/det-tma-reg": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3)]},
-        dq=[(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
 }
 
 
@@ -105,9 +93,9 @@ def options(design: str, configs: dict):
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-reg]
-    return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
-                         a_in_registers="reg" in parts, configs=tuple(sorted(configs.items())))
+    tma = mode.endswith("tma")
+    return KernelOptions(autotune=False, tma=tma, deterministic=mode.startswith("det"),
+                         configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):
