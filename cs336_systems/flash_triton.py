@@ -789,7 +789,8 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
-    if _tma_wanted(opts) and not _tma_ok(do4) and _tma_ok(q4, k4, v4):
+    inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
+    if inputs_tma and not _tma_ok(do4):
         # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one
         # copy (the size of O) keeps both passes on TMA instead of dropping them to block pointers.
         do4 = do4.contiguous()
@@ -803,6 +804,8 @@ def flash_backward_triton(
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     atomic = not opts.deterministic
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
+    # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
+    # this argument before timing each config, so it must not alias a real input)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = triton.cdiv(n_q, PREP_TILE)
     _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
@@ -810,7 +813,7 @@ def flash_backward_triton(
     shared = (q4.stride(), k4.stride(), v4.stride(), do4.stride())
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-                  USE_TMA=_use_tma(opts, q4, k4, v4, do4, dk4, dv4, *(() if atomic else (dq4,))),
+                  USE_TMA=inputs_tma and _use_tma(opts, do4, dk4, dv4, *(() if atomic else (dq4,))),
                   PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
