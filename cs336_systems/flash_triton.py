@@ -7,11 +7,13 @@ Layout, top-down:
      (and a ragged last tile) with MASKED=True.
   2. Kernels, one program per (batch·head, tile):
        `flash_fwd_kernel`         O and the logsumexp L;
-       `flash_bwd_prep_kernel`    delta = rowsum(dO·O) (and zeroes the fp32 dQ accumulator);
+       `flash_bwd_prep_kernel`    the atomic design's pre-pass: delta = rowsum(dO·O), the fp32 dQ
+                                  accumulator zeroed (the two-pass design's dQ pass does delta itself);
        `flash_bwd_kv_kernel`      per key tile: dK, dV over every query tile (and every query head of a
                                   GQA group) that sees it; with DQ_ATOMIC also dQ, added in fp32 with
                                   atomics (five matmuls per tile pair instead of seven);
-       `flash_bwd_dq_kernel`      the deterministic design's second pass: dQ per query tile;
+       `flash_bwd_dq_kernel`      the deterministic design's dQ pass, run first: dQ per query tile,
+                                  delta (and a contiguous copy of an expanded dO) for the dK/dV pass;
        `flash_bwd_dq_cast_kernel` the atomic design's fp32 dQ -> dQ·scale in the input dtype.
      Causal grids run the longest tiles first (the last wave is short tiles, not long ones).
   3. Host launchers: checks, (..., S, D) -> (B, H, S, D) views, allocation, config choice, grid.
@@ -202,7 +204,7 @@ def _bwd_dq_tiles(
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DP_FIRST: tl.constexpr,
 ):
-    """dQ of one query tile over key tiles [start, stop) (the deterministic design's second pass)."""
+    """dQ of one query tile over key tiles [start, stop) (the deterministic design's dQ pass)."""
     for k_start in range(start, stop, K_TILE_SIZE):
         k = _load_tile(k_src, k_start, CHECK_K, CHECK_D, USE_TMA)
         v = _load_tile(v_src, k_start, CHECK_K, CHECK_D, USE_TMA)
@@ -444,31 +446,46 @@ def flash_bwd_kv_kernel(
 
 @triton.jit
 def flash_bwd_dq_kernel(
-    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr,
-    stride_q, stride_k, stride_v, stride_do, stride_dq,  # (batch, head, seq, d) strides of each tensor
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
+    stride_q, stride_k, stride_v, stride_do, stride_dq, stride_o, stride_docopy,  # (batch, head, seq, d)
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    DP_FIRST: tl.constexpr, FUSED_PREP: tl.constexpr, COPY_DO: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees."""
+    """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees.
+
+    With FUSED_PREP the pass runs before the dK/dV pass and does the pre-pass's work for its query
+    tile: dO (any strides, stride 0 included) and O through pointer loads, delta = rowsum(dO·O) stored
+    for the dK/dV pass, and with COPY_DO the dO tile stored into the contiguous dOcopy for its TMA loads.
+    """
     batch_head, batch, head, kv_head, q_start = _query_program(
         N_HEADS, KV_GROUP, Q_TILE_SIZE, is_causal and SKIP_MASKED_TILES)
 
     q_src = _tile_src(Q_ptr, stride_q, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
-    do_src = _tile_src(dO_ptr, stride_do, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
     k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                                D, K_TILE_SIZE, D_TILE, USE_TMA)
     dq_dst = _tile_src(dQ_ptr, stride_dq, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
 
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-    do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
     row = batch_head.to(tl.int64) * N_QUERIES
     in_range = offs_q < N_QUERIES
     lse = tl.load(L_ptr + row + offs_q, mask=in_range, other=0.0) * LOG2E
-    delta = tl.load(Delta_ptr + row + offs_q, mask=in_range, other=0.0)
+    if FUSED_PREP:
+        offs_d = tl.arange(0, D_TILE)
+        mask = in_range[:, None] & (offs_d < D)[None, :]
+        do = tl.load(_row_ptrs(dO_ptr, stride_do, batch, head, offs_q, offs_d), mask=mask, other=0.0)
+        o = tl.load(_row_ptrs(O_ptr, stride_o, batch, head, offs_q, offs_d), mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(Delta_ptr + row + offs_q, delta, mask=in_range)
+        if COPY_DO:
+            tl.store(_row_ptrs(dOcopy_ptr, stride_docopy, batch, head, offs_q, offs_d), do, mask=mask)
+    else:
+        do_src = _tile_src(dO_ptr, stride_do, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
+        do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
+        delta = tl.load(Delta_ptr + row + offs_q, mask=in_range, other=0.0)
     dq = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
@@ -526,7 +543,8 @@ flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD)
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
 flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST"],
                                     ["dQacc_ptr"])
-flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST"])
+flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ,
+                                    ["DP_FIRST", "FUSED_PREP", "COPY_DO"])
 
 
 @dataclass(frozen=True)
@@ -588,7 +606,8 @@ KERNELS: dict[str, KernelSpec] = {
         (("DQ_ATOMIC", False), ("DP_FIRST", True))),
     "flash_bwd_dq": KernelSpec(
         "flash_bwd_dq", flash_bwd_dq_kernel, flash_bwd_dq_autotuned,
-        ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)), (("DP_FIRST", True),)),
+        ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)),
+        (("DP_FIRST", True), ("FUSED_PREP", True), ("COPY_DO", False))),
 }
 AUTOTUNED_KERNELS = {
     "flash_fwd": flash_fwd_autotuned, "flash_bwd_kv": flash_bwd_kv_autotuned, "flash_bwd_dq": flash_bwd_dq_autotuned,
@@ -610,6 +629,8 @@ class KernelOptions:
     deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
+    fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
+                                     # copies an expanded dO, instead of a pre-pass kernel and a copy
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -789,11 +810,18 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
+    atomic = not opts.deterministic
+    fused = opts.fused_prep and not atomic
     inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
-    if inputs_tma and not _tma_ok(do4):
-        # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one
-        # copy (the size of O) keeps both passes on TMA instead of dropping them to block pointers.
-        do4 = do4.contiguous()
+    # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
+    # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
+    # pass reads dO through pointers and writes the copy the dK/dV pass loads.
+    copy_do = inputs_tma and not _tma_ok(do4)
+    do_tiles = do4  # the dO the TMA-loading passes read
+    if copy_do and fused:
+        do_tiles = torch.empty(do4.shape, device=do.device, dtype=do.dtype)
+    elif copy_do:
+        do4 = do_tiles = do4.contiguous()
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
@@ -802,33 +830,34 @@ def flash_backward_triton(
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
-    atomic = not opts.deterministic
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
     # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
     # this argument before timing each config, so it must not alias a real input)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = triton.cdiv(n_q, PREP_TILE)
-    _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
-                 D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
-    shared = (q4.stride(), k4.stride(), v4.stride(), do4.stride())
+    if not fused:
+        _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
+                     D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-                  USE_TMA=inputs_tma and _use_tma(opts, do4, dk4, dv4, *(() if atomic else (dq4,))),
+                  USE_TMA=inputs_tma and _use_tma(opts, do_tiles, dk4, dv4, *(() if atomic else (dq4,))),
                   PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
+    if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
+        _dq_launch(
+            _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
+            (q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, q4.stride(), k4.stride(), v4.stride(), do4.stride(),
+             dq4.stride(), o4.stride(), do_tiles.stride(), *sizes),
+            opts, **common, FUSED_PREP=fused, COPY_DO=copy_do and fused,
+        )
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
-        (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *shared, dk4.stride(), dv4.stride(), *sizes),
+        (q4, k4, v4, do_tiles, lse, delta, dk4, dv4, dq_acc, q4.stride(), k4.stride(), v4.stride(),
+         do_tiles.stride(), dk4.stride(), dv4.stride(), *sizes),
         opts, **common, DQ_ATOMIC=atomic,
     )
     if atomic:
         _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
-    else:
-        _dq_launch(
-            _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
-            (q4, k4, v4, do4, lse, delta, dq4, *shared, dq4.stride(), *sizes),
-            opts, **common,
-        )
     return dq, dk, dv
 
 

@@ -4,8 +4,9 @@ One call times every (design, config) of a plan with fixed configs (no autotuner
 SDPA's flash and cuDNN backends in the same process:
   fwd/<tma|ptr>            the forward, TMA descriptors or block pointers;
   bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or atom.add);
-  bwd/det-<tma|ptr>        the deterministic two-pass backward (kv configs run with the plan's fixed
-                           dq config, then dq configs with the best kv config).
+  bwd/det-<tma|ptr>[-prep] the deterministic two-pass backward (kv configs run with the plan's fixed
+                           dq config, then dq configs with the best kv config); -prep: with the
+                           delta pre-pass kernel instead of the dQ pass computing delta (fused_prep).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
@@ -80,6 +81,14 @@ PLANS = {
         dq=[(128, 64, 4, 3)],
         dq_fixed=(128, 64, 4, 3),
     ),
+    # run 8: delta (and the expanded dO's copy) in the dQ pass against the pre-pass kernel
+    "fused_prep": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)], "bwd/det-tma-prep": [(32, 128, 4, 3)]},
+        dq=[(128, 64, 8, 3), (128, 64, 4, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
 }
 
 
@@ -93,9 +102,9 @@ def options(design: str, configs: dict):
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    tma = mode.endswith("tma")
-    return KernelOptions(autotune=False, tma=tma, deterministic=mode.startswith("det"),
-                         configs=tuple(sorted(configs.items())))
+    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep]
+    return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
+                         fused_prep="prep" not in parts, configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):
