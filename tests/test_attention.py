@@ -271,6 +271,25 @@ def test_flash_gqa_matches_sdpa_float64(is_causal, deterministic):
         assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
 
 
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("fused_prep", [True, False], ids=["delta-in-dq-pass", "pre-pass-kernel"])
+def test_flash_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fused_prep):
+    """delta computed by the dQ pass (and the expanded dO copied by it for the TMA loads of the dK/dV
+    pass) or by the pre-pass kernel: both match float64 with GQA and dO from o.sum()."""
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 4, 40, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 2, 56, 32, generator=gen).to(DEVICE) for _ in range(2))
+    opts = KernelOptions(tma=True, fused_prep=fused_prep)  # TMA as on a Hopper GPU (forced)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
+    do = torch.ones(1, 1, 1, 1, device=DEVICE).expand_as(o)  # what o.sum().backward() hands over
+    grads = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
+    exact = run(lambda *a: _sdpa64(*a, group=2), *(t.double() for t in (q, k, v, torch.ones_like(o))), is_causal)
+    for name, x, ref in zip(("dQ", "dK", "dV"), grads, exact[1:]):
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+
+
 def test_flash_attention_is_exported_from_the_package():
     import cs336_systems
     from cs336_systems.flash_triton import flash_attention
