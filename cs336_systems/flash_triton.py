@@ -822,8 +822,9 @@ def flash_backward_triton(
     # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
     # pass reads dO through pointers and writes the copy the dK/dV pass loads.
     copy_do = inputs_tma and not _tma_ok(do4)
+    copy_in_dq_pass = copy_do and fused
     do_tiles = do4  # the dO the TMA-loading passes read
-    if copy_do and fused:
+    if copy_in_dq_pass:
         do_tiles = torch.empty(do4.shape, device=do.device, dtype=do.dtype)
     elif copy_do:
         do4 = do_tiles = do4.contiguous()
@@ -852,7 +853,7 @@ def flash_backward_triton(
             _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
             (q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, q4.stride(), k4.stride(), v4.stride(), do4.stride(),
              dq4.stride(), o4.stride(), do_tiles.stride(), *sizes),
-            opts, **common, FUSED_PREP=fused, COPY_DO=copy_do and fused,
+            opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass,
         )
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
