@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_systems import flash_gluon
 from cs336_systems.flash_pytorch import flash_backward_compiled, flash_forward_tiled
 from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, refuse_double_backward
 
@@ -636,6 +637,8 @@ class KernelOptions:
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
+    gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
+                                     # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -855,6 +858,11 @@ def flash_backward_triton(
              dq4.stride(), o4.stride(), do_tiles.stride(), *sizes),
             opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass,
         )
+    gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
+    if (opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]
+            and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config)):
+        flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config)
+        return dq, dk, dv
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do_tiles, lse, delta, dk4, dv4, dq_acc, q4.stride(), k4.stride(), v4.stride(),

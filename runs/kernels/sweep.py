@@ -89,6 +89,28 @@ PLANS = {
         dq=[(128, 64, 8, 3), (128, 64, 4, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 9: the dK/dV pass in Gluon (cs336_systems/flash_gluon.py) against the shipped Triton pass;
+    # gluon kv configs are (BLOCK_M, BLOCK_N, warps, STAGES, KV_IN_REGISTERS, EARLY_S)
+    "gluon_kv": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/det-tma-gluon": [(64, 64, 4, 3, 0, 0), (64, 64, 4, 3, 1, 0), (64, 64, 4, 2, 1, 0),
+                                  (32, 64, 4, 3, 1, 0), (32, 64, 4, 4, 1, 0), (32, 64, 4, 3, 0, 0),
+                                  (32, 64, 4, 3, 1, 1), (32, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1),
+                                  (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
+    "gluon_kv128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={},
+        kv={"bwd/det-tma": [(64, 128, 8, 3)],
+            "bwd/det-tma-gluon": [(32, 64, 4, 3, 0, 0), (32, 64, 4, 2, 0, 0), (32, 128, 8, 3, 0, 0),
+                                  (16, 64, 4, 3, 1, 0), (16, 64, 4, 4, 1, 0)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
 }
 
 
@@ -102,9 +124,10 @@ def options(design: str, configs: dict):
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep]
+    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon]
     return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
-                         fused_prep="prep" not in parts, configs=tuple(sorted(configs.items())))
+                         fused_prep="prep" not in parts, gluon_kv="gluon" in parts,
+                         configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):

@@ -1,0 +1,238 @@
+"""The dK/dV pass of the deterministic backward in Gluon, for Hopper (sm_90a).
+
+Same work as `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every query tile and
+every query head of its GQA group that sees it), with the wgmma schedule written out instead of left
+to Triton's pipeliner, which waits for every non-accumulating wgmma as soon as it is issued:
+
+    per query tile t (stage s of a TMA ring of Q and dO tiles):
+        issue  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ                      (both async)
+        wait   until only dPᵀ is in flight  -> Sᵀ ready; dV, dK of tile t-1 done, stage of t-1 free
+        TMA    the tile t+STAGES-1 into the stage t-1 used
+        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                        (runs under dPᵀ's matmul)
+        issue  dV += Pᵀ·dO                                     (Pᵀ from registers)
+        wait   until only dV is in flight   -> dPᵀ ready
+        dSᵀ = Pᵀ·(dPᵀ - delta)                                 (runs under dV's matmul)
+        issue  dK += dSᵀ·Q                                     (dSᵀ from registers)
+
+so the exponentials run while the tensor cores work on dPᵀ, and dSᵀ while they work on dV. One
+warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory.
+
+Scope (the caller checks `supported` and otherwise runs the Triton kernel): CUDA sm_90, bf16/fp16,
+head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide into the tiles.
+Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
+
+Layout, top-down: the kernel, then `supported` and the host launcher `kv_pass`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, q_first, q_row0, N_QUERIES,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA of query tile t (of `total`: n_vis tiles per query head of the group) into stage t % STAGES."""
+    s = t % STAGES
+    g = t // n_vis
+    row = q_row0 + g * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
+    pred = t < total
+    bar = ready.index(s)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def flash_bwd_kv_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    KV_IN_REGISTERS: gl.constexpr, EARLY_S: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D); L
+    (natural log) and delta: contiguous (B·H, Nq) fp32.
+
+    KV_IN_REGISTERS: K and V are the register (left) operands of Sᵀ and dPᵀ, so those matmuls read only
+    Qᵀ, dOᵀ from shared memory. EARLY_S: the next tile's Sᵀ is issued before this tile's dSᵀ (and its
+    dPᵀ after this tile's dK), so the exponentials never wait for a matmul issued just before them."""
+    dtype: gl.constexpr = q_desc.dtype
+    batch_kv_head = gl.program_id(0)
+    k_start = gl.program_id(1) * BLOCK_N
+    n_kv_heads = N_HEADS // KV_GROUP
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
+    kv_row = batch_kv_head * N_KEYS + k_start
+    first_head = batch * N_HEADS + kv_head * KV_GROUP  # (batch·H) index of the group's first query head
+    q_row0 = first_head * N_QUERIES
+
+    # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    kv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of Sᵀ)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
+
+    # Query tiles that see this key tile: causal (top-left), queries from k_start on.
+    if is_causal:
+        q_first = k_start
+    else:
+        q_first = k_start * 0
+    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
+    total = KV_GROUP * n_vis
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for i in gl.static_range(STAGES - 1):
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, q_first, q_row0, N_QUERIES,
+                          BLOCK_M, STAGES)
+
+    qk_scale = scale * LOG2E
+    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=row_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))  # in flight across iterations
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))
+    # the register operands of the last dV and dK wgmmas, kept alive until the wait that retires them
+    p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
+    ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
+    mbarrier.wait(kv_bar, 0)
+    if KV_IN_REGISTERS:
+        k_op = k_smem.load(kv_layout)
+        v_op = v_smem.load(kv_layout)
+    else:
+        k_op = k_smem
+        v_op = v_smem
+    if EARLY_S:  # tile 0's Sᵀ (complete before the loop) and dPᵀ; past the last tile they read stale tiles
+        mbarrier.wait(ready.index(0), 0, pred=total > 0)
+        sT = warpgroup_mma(k_op, q_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(0, deps=(sT, ))
+        sT = warpgroup_mma_init(sT)
+        dpT = warpgroup_mma(v_op, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+    for t in range(total):
+        s = t % STAGES
+        qi = t % n_vis
+        q_start = q_first + qi * BLOCK_M
+        row_lse = (first_head + t // n_vis) * N_QUERIES + q_start
+        lse = gl.load(L_ptr + row_lse + offs_m) * LOG2E
+        delta = gl.load(Delta_ptr + row_lse + offs_m)
+        q_tile = q_smem.index(s)
+        do_tile = do_smem.index(s)
+        if EARLY_S:
+            # in flight: dV(t-1), Sᵀ(t), dK(t-1), dPᵀ(t): retire up to Sᵀ(t)
+            sT, dv, p_op = warpgroup_mma_wait(2, deps=(sT, dv, p_op))
+        else:
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            sT = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
+            # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
+            _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, q_first,
+                              q_row0, N_QUERIES, BLOCK_M, STAGES)
+        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
+        if is_causal:
+            if qi * BLOCK_M < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
+                keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
+                pT = gl.where(keep, pT, 0.0)
+        p_op = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        if EARLY_S:
+            # in flight: dK(t-1), dPᵀ(t), dV(t): retire up to dPᵀ(t); tile t-1's stage is free
+            dpT, dk, ds_op = warpgroup_mma_wait(1, deps=(dpT, dk, ds_op))
+            _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, q_first,
+                              q_row0, N_QUERIES, BLOCK_M, STAGES)
+            s_next = (t + 1) % STAGES
+            mbarrier.wait(ready.index(s_next), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
+            sT = warpgroup_mma(k_op, q_smem.index(s_next).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        else:
+            dpT = warpgroup_mma_wait(1, deps=(dpT, ))
+        ds_op = gl.convert_layout((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        if EARLY_S:
+            dpT = warpgroup_mma(v_op, do_smem.index(s_next).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+    if EARLY_S:
+        dk, dv, p_op, ds_op, sT, dpT = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op, sT, dpT))
+    else:
+        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_bar)
+    out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], dk_desc.layout)
+    out_smem.index(0).store((dk * scale).to(dtype))
+    out_smem.index(1).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
+    tma.store_wait(pendings=0)
+
+
+# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S]) per head dim
+CONFIGS = {64: (64, 64, 4, 3), 128: (32, 64, 4, 3)}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None) -> bool:
+    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, whole tiles."""
+    d = q4.shape[-1]
+    if d not in CONFIGS or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
+        return False
+    block_m, block_n = (config or CONFIGS[d])[:2]
+    if q4.shape[2] % block_m or k4.shape[2] % block_n:
+        return False
+    if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4)):
+        return False
+    return _is_sm90(q4.device.index)
+
+
+def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    flat = t.view(-1, t.shape[-1])
+    block = [rows, t.shape[-1]]
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype]))
+
+
+def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None) -> None:
+    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
+    lse, delta: contiguous (B·H, Nq) fp32."""
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    block_m, block_n, warps, stages, *flags = config or CONFIGS[d]
+    kv_in_registers, early_s = (*flags, False, False)[:2]
+    flash_bwd_kv_gluon_kernel[(batch * kv_heads, n_k // block_n, 1)](
+        _desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
+        _desc(dk4, block_n), _desc(dv4, block_n), lse, delta,
+        heads, heads // kv_heads, n_q, n_k, scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, KV_IN_REGISTERS=bool(kv_in_registers),
+        EARLY_S=bool(early_s), is_causal=is_causal, num_warps=warps,
+    )

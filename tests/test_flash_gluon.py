@@ -1,0 +1,66 @@
+"""The Gluon dK/dV pass (cs336_systems.flash_gluon) on the GPU: Gluon has no interpreter.
+
+Each case runs the whole backward with `KernelOptions(gluon_kv=True)` and checks dQ, dK, dV against
+float64 with the bf16/fp16 2x rule (SDPA in the same dtype is the baseline), and that the Gluon pass
+was the one that ran (the inputs are ones `flash_gluon.supported` takes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .helpers import rel_err, run
+
+pytestmark = pytest.mark.gpu
+
+CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
+    "d64": (1, 2, 2, 2048, 2048, 64, torch.bfloat16),
+    "gqa": (2, 8, 2, 1024, 1024, 64, torch.bfloat16),
+    "fp16_fewer_queries": (1, 4, 4, 1024, 2048, 64, torch.float16),
+    "more_queries": (1, 4, 4, 2048, 1024, 64, torch.bfloat16),
+    "d128": (1, 2, 2, 2048, 2048, 128, torch.bfloat16),
+}
+
+
+def _randn(*shape, seed, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_kv_pass_meets_2x_rule(case, is_causal):
+    from cs336_systems import flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
+    q, do = (_randn(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
+    k, v = (_randn(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
+    assert flash_gluon.supported(q, k, v, do), "the case must take the Gluon path"
+    opts = KernelOptions(gluon_kv=True)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
+    ours = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
+
+    def sdpa(q, k, v, causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=h != h_kv)
+
+    exact = run(sdpa, *(t.double() for t in (q, k, v, do)), is_causal)[1:]
+    theirs = run(sdpa, q, k, v, do, is_causal)[1:]
+    for name, x, ref, base in zip(("dQ", "dK", "dV"), ours, exact, theirs):
+        assert x.shape == ref.shape and x.dtype == dtype
+        assert rel_err(x, ref) <= 2 * rel_err(base, ref) + 1e-6, (
+            f"{name}: relative error {rel_err(x, ref):.3g} vs SDPA's {rel_err(base, ref):.3g}")
+
+
+def test_gluon_kv_pass_declines_what_it_cannot_tile():
+    """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass."""
+    from cs336_systems import flash_gluon
+
+    q, k, v, do = (_randn(1, 2, 1024, 64, seed=60 + i, dtype=torch.bfloat16) for i in range(4))
+    assert flash_gluon.supported(q, k, v, do)
+    assert not flash_gluon.supported(q[:, :, :1000], k[:, :, :1000], v[:, :, :1000], do[:, :, :1000].contiguous())
+    assert not flash_gluon.supported(*(t[..., :32].contiguous() for t in (q, k, v, do)))
+    assert not flash_gluon.supported(*(t.float() for t in (q, k, v, do)))
+    assert not flash_gluon.supported(q, k, v, do.transpose(1, 2).contiguous().transpose(1, 2))
