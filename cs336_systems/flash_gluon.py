@@ -54,18 +54,36 @@ def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, 
 
 
 @gluon.jit
+def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES,
+               BLOCK_M: gl.constexpr, CHECK: gl.constexpr):
+    """L (in base 2) and delta of query tile t; with CHECK, zeros past the last tile."""
+    row = (first_head + t // n_vis) * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
+    if CHECK:
+        valid = (offs_m * 0 + t) < total
+        lse = gl.load(L_ptr + row + offs_m, mask=valid, other=0.0)
+        delta = gl.load(Delta_ptr + row + offs_m, mask=valid, other=0.0)
+    else:
+        lse = gl.load(L_ptr + row + offs_m)
+        delta = gl.load(Delta_ptr + row + offs_m)
+    return lse * LOG2E, delta
+
+
+@gluon.jit
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    KV_IN_REGISTERS: gl.constexpr, EARLY_S: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr,
+    KV_IN_REGISTERS: gl.constexpr, EARLY_S: gl.constexpr, PREFETCH_ROWS: gl.constexpr,
+    is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D); L
     (natural log) and delta: contiguous (B·H, Nq) fp32.
 
     KV_IN_REGISTERS: K and V are the register (left) operands of Sᵀ and dPᵀ, so those matmuls read only
     Qᵀ, dOᵀ from shared memory. EARLY_S: the next tile's Sᵀ is issued before this tile's dSᵀ (and its
-    dPᵀ after this tile's dK), so the exponentials never wait for a matmul issued just before them."""
+    dPᵀ after this tile's dK), so the exponentials never wait for a matmul issued just before them.
+    PREFETCH_ROWS: L and delta of the next query tile are loaded one tile ahead (global-load latency
+    off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
     batch_kv_head = gl.program_id(0)
     k_start = gl.program_id(1) * BLOCK_N
@@ -134,13 +152,21 @@ def flash_bwd_kv_gluon_kernel(
         sT = warpgroup_mma_init(sT)
         dpT = warpgroup_mma(v_op, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
+    if PREFETCH_ROWS:
+        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first,
+                                          N_QUERIES, BLOCK_M, True)
     for t in range(total):
         s = t % STAGES
         qi = t % n_vis
         q_start = q_first + qi * BLOCK_M
-        row_lse = (first_head + t // n_vis) * N_QUERIES + q_start
-        lse = gl.load(L_ptr + row_lse + offs_m) * LOG2E
-        delta = gl.load(Delta_ptr + row_lse + offs_m)
+        if PREFETCH_ROWS:
+            lse = lse_next
+            delta = delta_next
+            lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
+                                              N_QUERIES, BLOCK_M, True)
+        else:
+            lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES,
+                                    BLOCK_M, False)
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
         if EARLY_S:
@@ -192,7 +218,7 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S]) per head dim
+# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS]) per head dim
 CONFIGS = {64: (64, 64, 4, 3), 128: (32, 64, 4, 3)}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -228,11 +254,11 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages, *flags = config or CONFIGS[d]
-    kv_in_registers, early_s = (*flags, False, False)[:2]
+    kv_in_registers, early_s, prefetch_rows = (*flags, False, False, False)[:3]
     flash_bwd_kv_gluon_kernel[(batch * kv_heads, n_k // block_n, 1)](
         _desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
         _desc(dk4, block_n), _desc(dv4, block_n), lse, delta,
         heads, heads // kv_heads, n_q, n_k, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, KV_IN_REGISTERS=bool(kv_in_registers),
-        EARLY_S=bool(early_s), is_causal=is_causal, num_warps=warps,
+        EARLY_S=bool(early_s), PREFETCH_ROWS=bool(prefetch_rows), is_causal=is_causal, num_warps=warps,
     )

@@ -90,15 +90,13 @@ PLANS = {
         dq_fixed=(128, 64, 8, 3),
     ),
     # run 9: the dK/dV pass in Gluon (cs336_systems/flash_gluon.py) against the shipped Triton pass;
-    # gluon kv configs are (BLOCK_M, BLOCK_N, warps, STAGES, KV_IN_REGISTERS, EARLY_S)
+    # gluon kv configs are (BLOCK_M, BLOCK_N, warps, STAGES, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS)
     "gluon_kv": dict(
         shape=SHAPE,
         fwd={},
         kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/det-tma-gluon": [(64, 64, 4, 3, 0, 0), (64, 64, 4, 3, 1, 0), (64, 64, 4, 2, 1, 0),
-                                  (32, 64, 4, 3, 1, 0), (32, 64, 4, 4, 1, 0), (32, 64, 4, 3, 0, 0),
-                                  (32, 64, 4, 3, 1, 1), (32, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1),
-                                  (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0)]},
+            "bwd/det-tma-gluon": [(64, 64, 4, 3, 0, 0, 0), (64, 64, 4, 3, 0, 0, 1), (64, 64, 4, 4, 0, 0, 1),
+                                  (64, 64, 4, 2, 0, 0, 1)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
@@ -106,8 +104,7 @@ PLANS = {
         shape=(1, 1, 65536, 128),
         fwd={},
         kv={"bwd/det-tma": [(64, 128, 8, 3)],
-            "bwd/det-tma-gluon": [(32, 64, 4, 3, 0, 0), (32, 64, 4, 2, 0, 0), (32, 128, 8, 3, 0, 0),
-                                  (16, 64, 4, 3, 1, 0), (16, 64, 4, 4, 1, 0)]},
+            "bwd/det-tma-gluon": [(32, 64, 4, 3, 0, 0, 0), (32, 64, 4, 3, 0, 0, 1), (32, 64, 4, 4, 0, 0, 1)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
