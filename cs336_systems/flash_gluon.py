@@ -218,8 +218,12 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS]) per head dim
-CONFIGS = {64: (64, 64, 4, 3), 128: (32, 64, 4, 3)}
+# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS]) per head
+# dim: the best of the H200 sweeps (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
+CONFIGS = {64: (64, 64, 4, 2, 0, 0, 1), 128: (32, 64, 4, 4, 0, 0, 1)}
+# where the backward uses this pass by default: it measured faster than the Triton pass at d 128 (-2%
+# backward) and tied at d 64
+DEFAULT_HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
