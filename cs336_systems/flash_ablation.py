@@ -2,12 +2,9 @@
 
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
 TMA descriptors, deterministic two-pass backward whose passes issue dP's matmul before P's
-exponentials, and whose dQ pass, run first, computes delta and copies an expanded dO itself; at head
-dim 128 its dK/dV pass is the Gluon one of `flash_gluon`).
+exponentials, and whose dQ pass, run first, computes delta and copies an expanded dO itself).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
-pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does;
-"fused_prep" runs the Triton dK/dV pass at every head dim (`gluon_kv=False`; at d 64, the
-leaderboard's, it is the shipped kernel).
+pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
 "atomic_dq" is the alternative backward: the single-pass backward with fp32 atomic dQ
 (`deterministic=False`), measured slower on the H200. The steps before "tma" load tiles through
 block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
@@ -33,8 +30,7 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "tma": autograd_function("FlashTma", KernelOptions(dp_first=False, fused_prep=False)),
     "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False)),
     "dp_first": autograd_function("FlashDpFirst", KernelOptions(fused_prep=False)),
-    "fused_prep": autograd_function("FlashFusedPrep", KernelOptions(gluon_kv=False)),
-    "gluon_kv": FlashAttention2Triton,
+    "fused_prep": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]

@@ -17,6 +17,10 @@ to Triton's pipeliner, which waits for every non-accumulating wgmma as soon as i
 so the exponentials run while the tensor cores work on dPᵀ, and dSᵀ while they work on dV. One
 warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory.
 
+Opt-in (`KernelOptions(gluon_kv=True)`): on the H200 it ties the Triton pass at d 64 and gains ~2% of
+the backward at d 128, long sequences, but its launch (host-side descriptors, the JIT's binder) costs
+more host time, which loses at short sequences (NOTES.md, session 8).
+
 Scope (the caller checks `supported` and otherwise runs the Triton kernel): CUDA sm_90, bf16/fp16,
 head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide into the tiles.
 Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
@@ -221,9 +225,7 @@ def flash_bwd_kv_gluon_kernel(
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS]) per head
 # dim: the best of the H200 sweeps (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2, 0, 0, 1), 128: (32, 64, 4, 4, 0, 0, 1)}
-# where the backward uses this pass by default: it measured faster than the Triton pass at d 128 (-2%
-# backward) and tied at d 64
-DEFAULT_HEAD_DIMS = (128,)
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 

@@ -637,9 +637,8 @@ class KernelOptions:
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
-    gluon_kv: bool | None = None     # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
-                                     # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles);
-                                     # None: only at the head dims where it measured faster (d 128)
+    gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
+                                     # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
@@ -860,8 +859,7 @@ def flash_backward_triton(
             opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass,
         )
     gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
-    gluon_kv = d in flash_gluon.DEFAULT_HEAD_DIMS if opts.gluon_kv is None else opts.gluon_kv
-    if (gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]
+    if (opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]
             and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config)):
         flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config)
         return dq, dk, dv

@@ -8,6 +8,8 @@ Every benchmark (attention, flash, leaderboard, model, overhead) builds its call
   flash_pytorch    `FlashAttention2Pytorch` (tiled PyTorch forward, compiled recomputing backward)
   flash_triton     `FlashAttention2Triton`, the shipped kernel ("ours" in tables and plots)
   flash_triton:V   the ablation variant V of `cs336_systems.flash_ablation.ABLATION_VARIANTS`
+  flash_triton_gluon_kv
+                   the shipped kernel with the opt-in Gluon dK/dV pass (`KernelOptions(gluon_kv=True)`)
   sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
                    `F.scaled_dot_product_attention` restricted to one backend
   NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants)
@@ -20,6 +22,7 @@ kernels under the Triton interpreter. The module imports torch only inside the b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,6 +87,17 @@ def _flash_triton(setup: Setup) -> Attention:
     return FlashAttention2Triton.apply
 
 
+@functools.cache
+def _flash_triton_gluon_kv_class():
+    from cs336_systems.flash_triton import KernelOptions, autograd_function
+
+    return autograd_function("FlashGluonKv", KernelOptions(gluon_kv=True))
+
+
+def _flash_triton_gluon_kv(setup: Setup) -> Attention:
+    return _flash_triton_gluon_kv_class().apply
+
+
 def _ablation(variant: str) -> Callable[[Setup], Attention]:
     def make(setup: Setup) -> Attention:
         from cs336_systems.flash_ablation import ABLATION_VARIANTS
@@ -128,6 +142,7 @@ BASE_IMPLS = {
         Impl("naive", _naive, compile_modes=("_compiled",)),
         Impl("flash_pytorch", _flash_pytorch),
         Impl(SHIPPED, _flash_triton, triton=True, compile_modes=("_compiled", "_cudagraphs")),
+        Impl("flash_triton_gluon_kv", _flash_triton_gluon_kv, triton=True),
         *(Impl(name, _sdpa(name)) for name in SDPA_BACKENDS),
     )
 }
