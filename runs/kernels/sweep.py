@@ -4,9 +4,11 @@ One call times every (design, config) of a plan with fixed configs (no autotuner
 SDPA's flash and cuDNN backends in the same process:
   fwd/<tma|ptr>            the forward, TMA descriptors or block pointers;
   bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or atom.add);
-  bwd/det-<tma|ptr>[-prep] the deterministic two-pass backward (kv configs run with the plan's fixed
+  bwd/det-<tma|ptr>[-prep][-gluon]
+                           the deterministic two-pass backward (kv configs run with the plan's fixed
                            dq config, then dq configs with the best kv config); -prep: with the
-                           delta pre-pass kernel instead of the dQ pass computing delta (fused_prep).
+                           delta pre-pass kernel instead of the dQ pass computing delta (fused_prep);
+                           -gluon: the dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
