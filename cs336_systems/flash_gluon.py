@@ -25,7 +25,10 @@ Scope (the caller checks `supported` and otherwise runs the Triton kernel): CUDA
 head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide into the tiles.
 Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
-Layout, top-down: the kernel, then `supported` and the host launcher `kv_pass`.
+Two variants measured slower and removed (NOTES.md, session 8; their code is in commit d7855a0): K and
+V as register operands of Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ.
+
+Layout, top-down: the jit helpers and the kernel, then `supported` and the host launcher `kv_pass`.
 """
 
 from __future__ import annotations
@@ -44,12 +47,18 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, q_first, q_row0, N_QUERIES,
+def _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
+    """First row of query tile t (n_vis tiles per query head of the group) in the (B·H·Nq, D) views of
+    Q and dO, which is also its offset in the contiguous (B·H, Nq) L and delta."""
+    return (first_head + t // n_vis) * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
+
+
+@gluon.jit
+def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, first_head, q_first, N_QUERIES,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA of query tile t (of `total`: n_vis tiles per query head of the group) into stage t % STAGES."""
+    """TMA of query tile t (of `total`) into stage t % STAGES; nothing past the last tile."""
     s = t % STAGES
-    g = t // n_vis
-    row = q_row0 + g * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
+    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     pred = t < total
     bar = ready.index(s)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
@@ -58,17 +67,12 @@ def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, 
 
 
 @gluon.jit
-def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES,
-               BLOCK_M: gl.constexpr, CHECK: gl.constexpr):
-    """L (in base 2) and delta of query tile t; with CHECK, zeros past the last tile."""
-    row = (first_head + t // n_vis) * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
-    if CHECK:
-        valid = (offs_m * 0 + t) < total
-        lse = gl.load(L_ptr + row + offs_m, mask=valid, other=0.0)
-        delta = gl.load(Delta_ptr + row + offs_m, mask=valid, other=0.0)
-    else:
-        lse = gl.load(L_ptr + row + offs_m)
-        delta = gl.load(Delta_ptr + row + offs_m)
+def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
+    """L (in base 2) and delta of query tile t; zeros past the last tile."""
+    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    valid = (offs_m * 0 + t) < total
+    lse = gl.load(L_ptr + row + offs_m, mask=valid, other=0.0)
+    delta = gl.load(Delta_ptr + row + offs_m, mask=valid, other=0.0)
     return lse * LOG2E, delta
 
 
@@ -77,17 +81,11 @@ def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    KV_IN_REGISTERS: gl.constexpr, EARLY_S: gl.constexpr, PREFETCH_ROWS: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D); L
-    (natural log) and delta: contiguous (B·H, Nq) fp32.
-
-    KV_IN_REGISTERS: K and V are the register (left) operands of Sᵀ and dPᵀ, so those matmuls read only
-    Qᵀ, dOᵀ from shared memory. EARLY_S: the next tile's Sᵀ is issued before this tile's dSᵀ (and its
-    dPᵀ after this tile's dK), so the exponentials never wait for a matmul issued just before them.
-    PREFETCH_ROWS: L and delta of the next query tile are loaded one tile ahead (global-load latency
-    off the path from the Sᵀ wait to the exponentials)."""
+    (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
+    latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
     batch_kv_head = gl.program_id(0)
     k_start = gl.program_id(1) * BLOCK_N
@@ -96,7 +94,6 @@ def flash_bwd_kv_gluon_kernel(
     kv_head = batch_kv_head % n_kv_heads
     kv_row = batch_kv_head * N_KEYS + k_start
     first_head = batch * N_HEADS + kv_head * KV_GROUP  # (batch·H) index of the group's first query head
-    q_row0 = first_head * N_QUERIES
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -104,7 +101,6 @@ def flash_bwd_kv_gluon_kernel(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    kv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of Sᵀ)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
 
@@ -130,8 +126,8 @@ def flash_bwd_kv_gluon_kernel(
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
     for i in gl.static_range(STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, q_first, q_row0, N_QUERIES,
-                          BLOCK_M, STAGES)
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
+                          N_QUERIES, BLOCK_M, STAGES)
 
     qk_scale = scale * LOG2E
     offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -142,74 +138,38 @@ def flash_bwd_kv_gluon_kernel(
     # the register operands of the last dV and dK wgmmas, kept alive until the wait that retires them
     p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
     mbarrier.wait(kv_bar, 0)
-    if KV_IN_REGISTERS:
-        k_op = k_smem.load(kv_layout)
-        v_op = v_smem.load(kv_layout)
-    else:
-        k_op = k_smem
-        v_op = v_smem
-    if EARLY_S:  # tile 0's Sᵀ (complete before the loop) and dPᵀ; past the last tile they read stale tiles
-        mbarrier.wait(ready.index(0), 0, pred=total > 0)
-        sT = warpgroup_mma(k_op, q_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sT = warpgroup_mma_wait(0, deps=(sT, ))
-        sT = warpgroup_mma_init(sT)
-        dpT = warpgroup_mma(v_op, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
-    if PREFETCH_ROWS:
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first,
-                                          N_QUERIES, BLOCK_M, True)
     for t in range(total):
         s = t % STAGES
-        qi = t % n_vis
-        q_start = q_first + qi * BLOCK_M
-        if PREFETCH_ROWS:
-            lse = lse_next
-            delta = delta_next
-            lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
-                                              N_QUERIES, BLOCK_M, True)
-        else:
-            lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES,
-                                    BLOCK_M, False)
+        q_start = q_first + (t % n_vis) * BLOCK_M
+        lse = lse_next
+        delta = delta_next
+        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
+                                          N_QUERIES, BLOCK_M)
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
-        if EARLY_S:
-            # in flight: dV(t-1), Sᵀ(t), dK(t-1), dPᵀ(t): retire up to Sᵀ(t)
-            sT, dv, p_op = warpgroup_mma_wait(2, deps=(sT, dv, p_op))
-        else:
-            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-            sT = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
-            # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
-            _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, q_first,
-                              q_row0, N_QUERIES, BLOCK_M, STAGES)
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
+        # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
+                          q_first, N_QUERIES, BLOCK_M, STAGES)
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
         if is_causal:
-            if qi * BLOCK_M < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
+            if q_start - q_first < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
                 keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
                 pT = gl.where(keep, pT, 0.0)
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        if EARLY_S:
-            # in flight: dK(t-1), dPᵀ(t), dV(t): retire up to dPᵀ(t); tile t-1's stage is free
-            dpT, dk, ds_op = warpgroup_mma_wait(1, deps=(dpT, dk, ds_op))
-            _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, q_first,
-                              q_row0, N_QUERIES, BLOCK_M, STAGES)
-            s_next = (t + 1) % STAGES
-            mbarrier.wait(ready.index(s_next), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
-            sT = warpgroup_mma(k_op, q_smem.index(s_next).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        else:
-            dpT = warpgroup_mma_wait(1, deps=(dpT, ))
+        dpT = warpgroup_mma_wait(1, deps=(dpT, ))
         ds_op = gl.convert_layout((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype), a_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-        if EARLY_S:
-            dpT = warpgroup_mma(v_op, do_smem.index(s_next).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
-    if EARLY_S:
-        dk, dv, p_op, ds_op, sT, dpT = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op, sT, dpT))
-    else:
-        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
@@ -222,9 +182,9 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES[, KV_IN_REGISTERS, EARLY_S, PREFETCH_ROWS]) per head
-# dim: the best of the H200 sweeps (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
-CONFIGS = {64: (64, 64, 4, 2, 0, 0, 1), 128: (32, 64, 4, 4, 0, 0, 1)}
+# (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
+# (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
+CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -239,7 +199,7 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
     d = q4.shape[-1]
     if d not in CONFIGS or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
         return False
-    block_m, block_n = (config or CONFIGS[d])[:2]
+    block_m, block_n, _, _ = config or CONFIGS[d]
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
     if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4)):
@@ -259,12 +219,10 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     lse, delta: contiguous (B·H, Nq) fp32."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    block_m, block_n, warps, stages, *flags = config or CONFIGS[d]
-    kv_in_registers, early_s, prefetch_rows = (*flags, False, False, False)[:3]
+    block_m, block_n, warps, stages = config or CONFIGS[d]
     flash_bwd_kv_gluon_kernel[(batch * kv_heads, n_k // block_n, 1)](
         _desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
         _desc(dk4, block_n), _desc(dv4, block_n), lse, delta,
         heads, heads // kv_heads, n_q, n_k, scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, KV_IN_REGISTERS=bool(kv_in_registers),
-        EARLY_S=bool(early_s), PREFETCH_ROWS=bool(prefetch_rows), is_causal=is_causal, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps,
     )

@@ -858,11 +858,11 @@ def flash_backward_triton(
              dq4.stride(), o4.stride(), do_tiles.stride(), *sizes),
             opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass,
         )
-    gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
-    if (opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]
-            and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config)):
-        flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config)
-        return dq, dk, dv
+    if opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]:
+        gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
+        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config):
+            flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config)
+            return dq, dk, dv
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
         (q4, k4, v4, do_tiles, lse, delta, dk4, dv4, dq_acc, q4.stride(), k4.stride(), v4.stride(),

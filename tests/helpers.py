@@ -22,6 +22,12 @@ def reference_attention(q, k, v, is_causal=False):
     return o, torch.logsumexp(s, dim=-1)
 
 
+def randn_cuda(*shape, seed, dtype=torch.bfloat16):
+    """A standard-normal CUDA tensor of `shape`, drawn in fp32 from its own generator and cast."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
+
+
 def make_inputs(shape, dtype, device, scale=1.0, seed=0):
     """q, k, v, dO for (batch, Nq, Nk, D), drawn in float64 and cast."""
     gen = torch.Generator().manual_seed(seed)

@@ -11,14 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import get_flashattention_autograd_function_triton
-from .helpers import check_against_float64, rel_err, run
+from .helpers import check_against_float64, randn_cuda, rel_err, run
 
 pytestmark = pytest.mark.gpu
 
-
-def _randn(*shape, seed, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
 
 
 @pytest.mark.parametrize("seq_len", [4096, 16384])
@@ -29,14 +25,14 @@ def test_flash_triton_bf16_long_sequences_meet_2x_rule(seq_len, d_head, is_causa
     """Error vs float64 at most 2x PyTorch's bf16 attention, for O, dQ, dK, dV (B=1, H=2)."""
     from cs336_systems.flash_triton import flash_attention
 
-    q, k, v, do = (_randn(1, 2, seq_len, d_head, seed=seq_len + d_head + i) for i in range(4))
+    q, k, v, do = (randn_cuda(1, 2, seq_len, d_head, seed=seq_len + d_head + i) for i in range(4))
     ours = run(lambda *a: flash_attention(*a, deterministic=deterministic), q, k, v, do, is_causal)
     check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0))
 
 
 @pytest.mark.parametrize("d_head", [192, 256])
 def test_flash_triton_large_head_dims_meet_2x_rule(d_head):
-    q, k, v, do = (_randn(1, 2, 2048, d_head, seed=d_head + i) for i in range(4))
+    q, k, v, do = (randn_cuda(1, 2, 2048, d_head, seed=d_head + i) for i in range(4))
     ours = run(get_flashattention_autograd_function_triton().apply, q, k, v, do, True)
     check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0))
 
@@ -45,7 +41,7 @@ def test_flash_triton_large_head_dims_meet_2x_rule(d_head):
 def test_flash_triton_under_torch_compile_matches_eager(is_causal):
     """The leaderboard's torch.compile(FlashAttention2Triton.apply), now fullgraph: no graph break."""
     fn = get_flashattention_autograd_function_triton()
-    q, k, v = (_randn(4, 1024, 64, seed=7 + i) for i in range(3))
+    q, k, v = (randn_cuda(4, 1024, 64, seed=7 + i) for i in range(3))
     torch._dynamo.reset()
     results = []
     for f in (fn.apply, torch.compile(fn.apply, fullgraph=True)):
@@ -61,7 +57,7 @@ def test_flash_cuda_graphs_capture_the_op():
     """torch.compile(mode="reduce-overhead") captures forward and backward in CUDA graphs."""
     from cs336_systems.flash_triton import flash_attention
 
-    q, k, v, do = (_randn(1, 16, 1024, 64, seed=20 + i) for i in range(4))
+    q, k, v, do = (randn_cuda(1, 16, 1024, 64, seed=20 + i) for i in range(4))
     eager = run(flash_attention, q, k, v, do, True)
     torch._dynamo.reset()
     step = torch.compile(lambda a, b, c: flash_attention(a, b, c, True), mode="reduce-overhead", fullgraph=True)
@@ -76,8 +72,8 @@ def test_flash_gqa_matches_sdpa_enable_gqa(is_causal):
     """8 query heads over 2 K/V heads against SDPA(enable_gqa=True), both against float64."""
     from cs336_systems.flash_triton import flash_attention
 
-    q, do = (_randn(2, 8, 2048, 64, seed=30 + i) for i in range(2))
-    k, v = (_randn(2, 2, 2048, 64, seed=32 + i) for i in range(2))
+    q, do = (randn_cuda(2, 8, 2048, 64, seed=30 + i) for i in range(2))
+    k, v = (randn_cuda(2, 2, 2048, 64, seed=32 + i) for i in range(2))
     def sdpa(q, k, v, causal):  # is_causal by keyword: SDPA's fourth positional parameter is attn_mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
@@ -98,7 +94,7 @@ def test_flash_fp32_follows_matmul_precision(precision, bound):
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
-        q, k, v, do = (_randn(1, 2, 1024, 64, seed=40 + i, dtype=torch.float32) for i in range(4))
+        q, k, v, do = (randn_cuda(1, 2, 1024, 64, seed=40 + i, dtype=torch.float32) for i in range(4))
         ours = run(flash_attention, q, k, v, do, True)
     finally:
         torch.set_float32_matmul_precision(previous)
@@ -110,7 +106,7 @@ def test_flash_fast_launch_path_keeps_specializations_apart():
     different length right after an aligned one must still be right."""
     from cs336_systems.flash_triton import flash_attention, launch_cache_sizes
 
-    base = _randn(1, 2, 1024 * 64 + 8, seed=50).view(-1)
+    base = randn_cuda(1, 2, 1024 * 64 + 8, seed=50).view(-1)
     for offset, seq in ((0, 512), (1, 512), (0, 512), (3, 500), (0, 512)):
         q = base[offset:offset + 2 * seq * 64].view(1, 2, seq, 64)
         ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True)

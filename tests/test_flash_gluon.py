@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .helpers import rel_err, run
+from .helpers import randn_cuda, rel_err, run
 
 pytestmark = pytest.mark.gpu
 
@@ -24,10 +24,6 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 }
 
 
-def _randn(*shape, seed, dtype):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
-
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -36,8 +32,8 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal):
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
-    q, do = (_randn(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
-    k, v = (_randn(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
+    q, do = (randn_cuda(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
+    k, v = (randn_cuda(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
     assert flash_gluon.supported(q, k, v, do), "the case must take the Gluon path"
     opts = KernelOptions(gluon_kv=True)
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
@@ -58,7 +54,7 @@ def test_gluon_kv_pass_declines_what_it_cannot_tile():
     """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass."""
     from cs336_systems import flash_gluon
 
-    q, k, v, do = (_randn(1, 2, 1024, 64, seed=60 + i, dtype=torch.bfloat16) for i in range(4))
+    q, k, v, do = (randn_cuda(1, 2, 1024, 64, seed=60 + i, dtype=torch.bfloat16) for i in range(4))
     assert flash_gluon.supported(q, k, v, do)
     assert not flash_gluon.supported(q[:, :, :1000], k[:, :, :1000], v[:, :, :1000], do[:, :, :1000].contiguous())
     assert not flash_gluon.supported(*(t[..., :32].contiguous() for t in (q, k, v, do)))
