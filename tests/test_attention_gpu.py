@@ -16,7 +16,6 @@ from .helpers import check_against_float64, randn_cuda, rel_err, run
 pytestmark = pytest.mark.gpu
 
 
-
 @pytest.mark.parametrize("seq_len", [4096, 16384])
 @pytest.mark.parametrize("d_head", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

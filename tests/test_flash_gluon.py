@@ -24,7 +24,6 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 }
 
 
-
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_kv_pass_meets_2x_rule(case, is_causal):
