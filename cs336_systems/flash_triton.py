@@ -861,7 +861,8 @@ def flash_backward_triton(
     if opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]:
         gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
         if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config):
-            flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config)
+            flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
+                                cached=not launch_hooks_installed())
             return dq, dk, dv
     _kv_launch(
         _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),

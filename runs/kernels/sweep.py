@@ -110,6 +110,25 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 10: the warp-specialized Gluon dK/dV pass (8 warps = two consumer warpgroups of 64 keys and a
+    # producer warp; cs336_systems/flash_gluon.py) beside the one-warpgroup Gluon pass and the Triton pass
+    "gluon_ws": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/det-tma-gluon": [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4),
+                                  (32, 128, 8, 3), (32, 128, 8, 4)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
+    "gluon_ws128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={},
+        kv={"bwd/det-tma": [(64, 128, 8, 3)],
+            "bwd/det-tma-gluon": [(32, 64, 4, 4), (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 4)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
 }
 
 
