@@ -18,15 +18,17 @@ so the exponentials run while the tensor cores work on dPᵀ, and dSᵀ while th
 warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory.
 
 Opt-in (`KernelOptions(gluon_kv=True)`): on the H200 it ties the Triton pass at d 64 and gains ~2% of
-the backward at d 128, long sequences, but its launch (host-side descriptors, the JIT's binder) costs
-more host time, which loses at short sequences (NOTES.md, session 8).
+the backward at d 128, long sequences; with one head at 4096-16384 it loses (its programs of 64 keys
+and 32 queries take more, smaller steps than the Triton pass's when the grid is under one wave).
+Launches after the first of a signature call the compiled kernel directly (`kv_pass`).
 
 Scope (the caller checks `supported` and otherwise runs the Triton kernel): CUDA sm_90, bf16/fp16,
 head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide into the tiles.
 Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
-Two variants measured slower and removed (NOTES.md, session 8; their code is in commit d7855a0): K and
-V as register operands of Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ.
+Variants measured slower and removed (NOTES.md, sessions 8 and 9): K and V as register operands of Sᵀ
+and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
+warp-specialized kernel, a producer warp and two consumer warpgroups of 64 keys (commit 768d525).
 
 Layout, top-down: the jit helpers and the kernel, then `supported` and the host launcher `kv_pass`.
 """
@@ -182,146 +184,6 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
-# Warp-specialized variant: one program per 2·HALF keys, three partitions. A one-warp producer loads K
-# and V once, then streams the group's query tiles (Q, dO) through a TMA ring; two consumer warpgroups
-# each own HALF of the keys and run the schedule above on every tile of the ring, so one Q/dO load
-# serves 2·HALF keys (half the L2 traffic of one-warpgroup programs of HALF keys). A stage is free
-# when both consumers have arrived on its `empty` barrier (count 2) after the wgmmas that read it.
-
-
-@gluon.jit
-def _kv_ws_producer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem,
-                    ready, empty, kv_bar, L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head,
-                    N_QUERIES, scale, BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, is_causal: gl.constexpr, ROLE: gl.constexpr):
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + c * HALF, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + c * HALF, 0], kv_bar, v_smem.index(c))
-    for t in range(total):
-        s = t % STAGES
-        # a fresh barrier counts as having completed the phase before 0: the first STAGES waits pass
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-        bar = ready.index(s)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
-
-
-@gluon.jit
-def _kv_ws_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem,
-                    ready, empty, kv_bar, L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head,
-                    N_QUERIES, scale, BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, is_causal: gl.constexpr, ROLE: gl.constexpr):
-    """Consumer ROLE (0 or 1): keys kv_row + ROLE·HALF onwards, one warpgroup."""
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    k_tile = k_smem.index(ROLE)
-    v_tile = v_smem.index(ROLE)
-    key0 = k_start + ROLE * HALF  # this warpgroup's first key
-    offs_k = key0 + gl.arange(0, HALF, layout=row_layout)
-    qk_scale = scale * LOG2E
-    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
-    zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
-    dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, acc_layout))
-    p_op = gl.zeros([HALF, BLOCK_M], dtype, a_layout)
-    ds_op = gl.zeros([HALF, BLOCK_M], dtype, a_layout)
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
-                                      BLOCK_M)
-    mbarrier.wait(kv_bar, 0)
-    for t in range(total):
-        s = t % STAGES
-        q_start = q_first + (t % n_vis) * BLOCK_M
-        lse = lse_next
-        delta = delta_next
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
-                                          N_QUERIES, BLOCK_M)
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        q_tile = q_smem.index(s)
-        do_tile = do_smem.index(s)
-        sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
-        # tile t-1's dV and dK are done: this consumer is finished with its stage
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
-        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
-        if is_causal:
-            if q_start < key0 + HALF:  # on or before this warpgroup's diagonal: query i sees key j iff i >= j
-                keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
-                pT = gl.where(keep, pT, 0.0)
-        p_op = gl.convert_layout(pT.to(dtype), a_layout)
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        dpT = warpgroup_mma_wait(1, deps=(dpT, ))
-        ds_op = gl.convert_layout((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype), a_layout)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    # this warpgroup's K and V tiles are no longer read: they stage its dK and dV for the TMA stores
-    k_tile.store((dk * scale).to(dtype))
-    v_tile.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row + ROLE * HALF, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [kv_row + ROLE * HALF, 0], v_tile)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def flash_bwd_kv_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
-    BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
-):
-    """Grid (batch·kv_heads, key tiles of 2·HALF); tensors as in flash_bwd_kv_gluon_kernel, whose
-    K/V/dK/dV descriptors here have HALF-row blocks."""
-    dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head = gl.program_id(0)
-    k_start = gl.program_id(1) * (2 * HALF)
-    n_kv_heads = N_HEADS // KV_GROUP
-    batch = batch_kv_head // n_kv_heads
-    kv_head = batch_kv_head % n_kv_heads
-    kv_row = batch_kv_head * N_KEYS + k_start
-    first_head = batch * N_HEADS + kv_head * KV_GROUP
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
-
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(kv_bar, count=1)
-
-    gl.warp_specialize([
-        (_kv_ws_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, ready,
-                           empty, kv_bar, L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head,
-                           N_QUERIES, scale, BLOCK_M, HALF, D, STAGES, is_causal, 0)),
-        (_kv_ws_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, ready,
-                           empty, kv_bar, L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head,
-                           N_QUERIES, scale, BLOCK_M, HALF, D, STAGES, is_causal, 1)),
-        (_kv_ws_producer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, ready,
-                           empty, kv_bar, L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head,
-                           N_QUERIES, scale, BLOCK_M, HALF, D, STAGES, is_causal, 0)),
-    ], [4, 1], [232, 24])
-
-
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
@@ -370,22 +232,15 @@ def launch_cache_size() -> int:
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
             cached: bool = True) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
-    lse, delta: contiguous (B·H, Nq) fp32. A config with 8 warps runs the warp-specialized kernel (two
-    consumer warpgroups of BLOCK_N / 2 keys). cached=False (e.g. with launch hooks installed, which
-    only Triton's own launch path calls) launches through the JIT every time."""
+    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
+    Triton's own launch path calls) launches through the JIT every time."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or CONFIGS[d]
-    if warps == 8:
-        kernel, kv_rows = flash_bwd_kv_gluon_ws_kernel, block_n // 2
-        constexprs = dict(BLOCK_M=block_m, HALF=kv_rows, D=d, STAGES=stages, is_causal=is_causal, num_warps=4)
-    else:
-        kernel, kv_rows = flash_bwd_kv_gluon_kernel, block_n
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
-                          num_warps=warps)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
     grid = (batch * kv_heads, n_k // block_n, 1)
-    args = (_desc(q4, block_m), _desc(k4, kv_rows), _desc(v4, kv_rows), _desc(do4, block_m),
-            _desc(dk4, kv_rows), _desc(dv4, kv_rows), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
+    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
+            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
     key = (q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads, n_q,
            n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
     compiled = _COMPILED.get(key) if cached else None

@@ -94,6 +94,8 @@ PLANS = {
     # run 9: the dK/dV pass in Gluon (cs336_systems/flash_gluon.py) against the shipped Triton pass.
     # Runs 9a-9c timed builds with flags since removed (configs (..., KV_IN_REGISTERS, EARLY_S,
     # PREFETCH_ROWS) in their rows, commits 3f6cf2d and d7855a0); the pass now always prefetches.
+    # Run 10 (plans gluon_ws, gluon_ws128 of commit 768d525) timed a warp-specialized kernel, selected
+    # by 8-warp configs; it lost and was removed (its code is in that commit).
     "gluon_kv": dict(
         shape=SHAPE,
         fwd={},
@@ -107,25 +109,6 @@ PLANS = {
         fwd={},
         kv={"bwd/det-tma": [(64, 128, 8, 3)],
             "bwd/det-tma-gluon": [(32, 64, 4, 4), (32, 64, 4, 3)]},
-        dq=[(128, 64, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
-    # run 10: the warp-specialized Gluon dK/dV pass (8 warps = two consumer warpgroups of 64 keys and a
-    # producer warp; cs336_systems/flash_gluon.py) beside the one-warpgroup Gluon pass and the Triton pass
-    "gluon_ws": dict(
-        shape=SHAPE,
-        fwd={},
-        kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/det-tma-gluon": [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4),
-                                  (32, 128, 8, 3), (32, 128, 8, 4)]},
-        dq=[(128, 64, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
-    "gluon_ws128": dict(
-        shape=(1, 1, 65536, 128),
-        fwd={},
-        kv={"bwd/det-tma": [(64, 128, 8, 3)],
-            "bwd/det-tma-gluon": [(32, 64, 4, 4), (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 4)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
