@@ -684,9 +684,33 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> the TMA scratch buffer of that stream
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each).
+    Launches on one stream run one after another, so each stream keeps one buffer and reuses it;
+    while a CUDA graph is being captured each launch gets its own (the graph owns it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+    return buffer
+
+
+_STAND_INS: dict[torch.device, torch.Tensor] = {}
+
+
+def _stand_in(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor for pointer arguments a kernel variant does not read."""
+    t = _STAND_INS.get(device)
+    if t is None:
+        t = torch.empty((1,), device=device, dtype=torch.float32)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not from a graph's pool
+            _STAND_INS[device] = t
+    return t
 
 
 def _tma_wanted(opts: KernelOptions) -> bool:
@@ -717,10 +741,12 @@ class _Launcher:
     """Launches one kernel; remembers, per argument signature, the compiled kernel and its grid.
 
     The first launch of a signature goes through Triton (autotuner, heuristics, specialization,
-    compilation); later ones call the compiled kernel directly (`CompiledKernel[grid](*args)`), which
-    is most of the host time at short sequences. The signature holds everything Triton specializes on
-    or tunes by: each tensor's dtype and 16-byte alignment, every integer's value, the constexprs and
-    the device. Under the interpreter, or with launch hooks installed, every launch goes through Triton.
+    compilation); later ones call the compiled kernel's C launch function directly with the current
+    stream and the TMA scratch (`_scratch`), which is most of the host time at short sequences. The
+    signature holds everything Triton specializes on or tunes by: each tensor's dtype and 16-byte
+    alignment, every integer's value, the constexprs and the device. Under the interpreter, or with
+    launch hooks installed, every launch goes through Triton; where a compiled kernel's launcher does
+    not expose its C launch (another Triton version, a profile scratch), its runner is called.
     """
 
     def __init__(self, kernel, name: str):
@@ -729,6 +755,18 @@ class _Launcher:
         self.tuned = isinstance(kernel, triton.runtime.Autotuner)
         self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
         self.entries: dict[tuple, tuple] = {}
+        # where the tensors and the specialized non-tensors (ints, stride tuples) sit among the arguments:
+        # each call site passes one fixed layout, found at its first call
+        self.tensor_positions: tuple[int, ...] = ()
+        self.other_positions: tuple[int, ...] | None = None
+
+    def _key(self, args: tuple, constexprs: dict) -> tuple:
+        if self.other_positions is None:
+            self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self.other_positions = tuple(i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float)))
+        tensors = [args[i] for i in self.tensor_positions]
+        return (torch.cuda.current_device(), *constexprs.values(), *[t.dtype for t in tensors],
+                *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.other_positions])
 
     def __call__(self, grid, args: tuple, opts: KernelOptions = DEFAULT_OPTIONS, **constexprs) -> None:
         if self.tuned and not opts.autotune:
@@ -739,13 +777,16 @@ class _Launcher:
         if INTERPRET or launch_hooks_installed():
             self.kernel[grid](*args, **constexprs)
             return
-        key = (torch.cuda.current_device(), *constexprs.values(),
-               *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args
-                 if not isinstance(a, float)))
+        key = self._key(args, constexprs)
         entry = self.entries.get(key)
         if entry is not None:
-            run, tail = entry
-            run(*args, *tail)
+            launch, head, scratch_size, tail = entry
+            if launch is None:  # no direct launch: the compiled kernel's runner
+                head(*args, *tail)
+                return
+            stream = torch.cuda.current_stream().cuda_stream
+            scratch = _scratch(scratch_size, 128, stream) if scratch_size else None
+            launch(*head[:3], stream, *head[3:6], scratch, None, head[6], None, None, None, *args, *tail)
             return
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
@@ -755,7 +796,21 @@ class _Launcher:
             values.update(self.kernel.best_config.kwargs)
             values.update({name: rule(values) for name, rule in _EVEN_HEURISTICS.items()})
         tail = tuple(values[name] for name in self.arg_names[len(args):])
-        self.entries[key] = (kernel[grid(values) if callable(grid) else grid], tail)
+        fixed_grid = tuple(grid(values) if callable(grid) else grid)
+        runner = kernel[fixed_grid]  # also loads the kernel (kernel.function)
+        launcher = kernel.run
+        pieces = ("launch", "num_ctas", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
+                  "launch_pdl")
+        if all(hasattr(launcher, p) for p in pieces) and launcher.profile_scratch_size == 0:
+            # the C launch's arguments: grid, stream, CUfunction, cooperative, PDL, global and profile
+            # scratch, (warps, CTAs, shared memory), launch metadata, enter and exit hooks, kernel arguments
+            scratch_size = fixed_grid[0] * fixed_grid[1] * fixed_grid[2] * launcher.num_ctas * \
+                launcher.global_scratch_size
+            head = (*fixed_grid, kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    kernel.packed_metadata)
+            self.entries[key] = (launcher.launch, head, scratch_size, tail)
+        else:
+            self.entries[key] = (None, runner, 0, tail)
 
 
 _fwd_launch = _Launcher(flash_fwd_autotuned, "fwd")
@@ -840,9 +895,10 @@ def flash_backward_triton(
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
-    # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
-    # this argument before timing each config, so it must not alias a real input)
-    dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
+    # the atomic design's fp32 dQ accumulator (otherwise a one-element stand-in, one per device: the kv
+    # autotuner zeroes this argument before timing each config, so it must not alias a real input)
+    dq_acc = torch.empty((batch * heads, n_q, d_tile), device=q.device, dtype=torch.float32) if atomic \
+        else _stand_in(q.device)
     n_prep = triton.cdiv(n_q, PREP_TILE)
     if not fused:
         _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),

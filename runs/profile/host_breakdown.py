@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--eager-only", action="store_true", help="skip the compiled (torch.compile) calls")
     args = ap.parse_args()
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
              f"shape (1, 16, {args.seq}, 64) bf16 causal; host µs = median over {args.iters} calls"]
@@ -105,7 +106,7 @@ def main() -> None:
         o.sum().backward()
 
     eager = ft.FlashAttention2Triton.apply
-    for mode in (None, "reduce-overhead"):
+    for mode in () if args.eager_only else (None, "reduce-overhead"):
         torch._dynamo.reset()
         attn = torch.compile(eager, mode=mode, dynamic=False)
         for _ in range(5):
