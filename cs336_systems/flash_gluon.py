@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
@@ -245,7 +244,7 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
            n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
     compiled = _COMPILED.get(key) if cached else None
     if compiled is None:
-        compiled = kernel[grid](*args, **constexprs)
+        compiled = flash_bwd_kv_gluon_kernel[grid](*args, **constexprs)
         if cached:
             _COMPILED[key] = compiled
         return

@@ -684,33 +684,11 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> the TMA scratch buffer of that stream
-
-
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each).
-    Launches on one stream run one after another, so each stream keeps one buffer and reuses it;
-    while a CUDA graph is being captured each launch gets its own (the graph owns it)."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch.cuda.current_device(), stream)
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-    return buffer
-
-
-_STAND_INS: dict[torch.device, torch.Tensor] = {}
-
-
-def _stand_in(device: torch.device) -> torch.Tensor:
-    """A one-element fp32 tensor for pointer arguments a kernel variant does not read."""
-    t = _STAND_INS.get(device)
-    if t is None:
-        t = torch.empty((1,), device=device, dtype=torch.float32)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not from a graph's pool
-            _STAND_INS[device] = t
-    return t
+    A fresh allocation per launch: a buffer kept across calls would outlive the private memory pool
+    of a CUDA-graph tree that created it."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _tma_wanted(opts: KernelOptions) -> bool:
@@ -895,10 +873,9 @@ def flash_backward_triton(
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
-    # the atomic design's fp32 dQ accumulator (otherwise a one-element stand-in, one per device: the kv
-    # autotuner zeroes this argument before timing each config, so it must not alias a real input)
-    dq_acc = torch.empty((batch * heads, n_q, d_tile), device=q.device, dtype=torch.float32) if atomic \
-        else _stand_in(q.device)
+    # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
+    # this argument before timing each config, so it must not alias a real input)
+    dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = triton.cdiv(n_q, PREP_TILE)
     if not fused:
         _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
