@@ -758,11 +758,11 @@ class _Launcher:
         key = self._key(args, constexprs)
         entry = self.entries.get(key)
         if entry is not None:
-            launch, head, scratch_size, tail = entry
+            launch, head, scratch_size, tail, current_stream = entry
             if launch is None:  # no direct launch: the compiled kernel's runner
                 head(*args, *tail)
                 return
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = current_stream(key[0])
             scratch = _scratch(scratch_size, 128, stream) if scratch_size else None
             launch(*head[:3], stream, *head[3:6], scratch, None, head[6], None, None, None, *args, *tail)
             return
@@ -786,9 +786,10 @@ class _Launcher:
                 launcher.global_scratch_size
             head = (*fixed_grid, kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                     kernel.packed_metadata)
-            self.entries[key] = (launcher.launch, head, scratch_size, tail)
+            current_stream = triton.runtime.driver.active.get_current_stream  # raw stream of a device index
+            self.entries[key] = (launcher.launch, head, scratch_size, tail, current_stream)
         else:
-            self.entries[key] = (None, runner, 0, tail)
+            self.entries[key] = (None, runner, 0, tail, None)
 
 
 _fwd_launch = _Launcher(flash_fwd_autotuned, "fwd")
