@@ -55,7 +55,7 @@ if INTERPRET:
 
 def padded_dim(n: int) -> int:
     """A length as the kernels tile it: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, 1 << (n - 1).bit_length())  # plain ints: triton.next_power_of_2 costs µs per call
 
 
 # ----------------------------------------------------------------------------------------------
@@ -678,9 +678,15 @@ def _as_bhsd(t: torch.Tensor) -> torch.Tensor:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and strides, and a contiguous last dim."""
     for t in tensors:
-        per16 = 16 // t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % per16 for s in t.stride()[:-1]):
+        if t.data_ptr() % 16:
             return False
+        *outer, last = t.stride()
+        if last != 1:
+            return False
+        per16 = 16 // t.element_size()
+        for s in outer:
+            if s % per16:
+                return False
     return True
 
 
@@ -803,7 +809,7 @@ _LAUNCHERS = (_fwd_launch, _kv_launch, _dq_launch, _prep_launch, _cast_launch)
 def _tiles_grid(first: int, n: int, tile_name: str):
     """Grid (first, tiles of n, 1) for a config's meta-parameters."""
     def grid(meta):
-        tiles = triton.cdiv(n, meta[tile_name])
+        tiles = -(-n // meta[tile_name])
         if tiles > MAX_GRID_Y:
             raise ValueError(f"sequence length {n} needs {tiles} tiles, more than the launch grid allows")
         return (first, tiles, 1)
@@ -877,7 +883,7 @@ def flash_backward_triton(
     # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
     # this argument before timing each config, so it must not alias a real input)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
-    n_prep = triton.cdiv(n_q, PREP_TILE)
+    n_prep = -(-n_q // PREP_TILE)
     if not fused:
         _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
