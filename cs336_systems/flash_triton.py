@@ -272,6 +272,26 @@ def _tile_index(program, n_tiles, LONGEST_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _in_chunk(start, stop, CHUNK, SPLIT: tl.constexpr):
+    """[start, stop) cut to this program's chunk of the reduction (grid axis 2, CHUNK rows) when SPLIT."""
+    if SPLIT:
+        lo = tl.program_id(2) * CHUNK
+        start = tl.maximum(start, lo)
+        stop = tl.minimum(stop, lo + CHUNK)
+    return start, stop
+
+
+@triton.jit
+def _chunk_offset(rows, D_TILE: tl.constexpr, SPLIT: tl.constexpr):
+    """Elements before this program's chunk in a split kernel's (chunks, batch·heads, rows, D_TILE)
+    partial buffer (0 without SPLIT)."""
+    if SPLIT:
+        return tl.program_id(2).to(tl.int64) * tl.num_programs(0) * rows * D_TILE
+    else:
+        return 0
+
+
+@triton.jit
 def _query_program(N_HEADS, KV_GROUP, Q_TILE_SIZE: tl.constexpr, LONGEST_FIRST: tl.constexpr):
     """A program of grid (batch·heads, query tiles): its batch·head, batch, head, K/V head, first query."""
     batch_head = tl.program_id(0)
@@ -344,12 +364,19 @@ _EVEN_HEURISTICS = {
 def flash_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
     stride_q, stride_k, stride_v, stride_o,  # (batch, head, seq, d) strides of each tensor
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+    SPLIT: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    """Grid (batch·heads, query tiles). L is contiguous (batch·heads, N_QUERIES), natural log."""
+    """Grid (batch·heads, query tiles[, key chunks]). L is contiguous (batch·heads, N_QUERIES), natural log.
+
+    With SPLIT, program (·, ·, c) sees only keys [c·CHUNK, (c+1)·CHUNK) and writes its normalized O
+    (fp32) and L into chunk c of (chunks, batch·heads, N_QUERIES, D_TILE) and (chunks, batch·heads,
+    N_QUERIES) buffers (L = -inf and O = 0 where it sees no key); `flash_fwd_combine_kernel` merges them.
+    """
+    O_ptr += _chunk_offset(N_QUERIES, D_TILE, SPLIT)
+    L_ptr += _chunk_offset(N_QUERIES, 1, SPLIT)
     batch_head, batch, head, q_start, offs_q, q, k_src, v_src, o_dst = _query_tile_program(
         Q_ptr, K_ptr, V_ptr, O_ptr, stride_q, stride_k, stride_v, stride_o, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
         D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal and SKIP_MASKED_TILES, CHECK_Q, CHECK_D, USE_TMA)
@@ -359,11 +386,15 @@ def flash_fwd_kernel(
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+    start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
                                K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
+    start, end = _in_chunk(full_stop, stop, CHUNK, SPLIT)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
                                K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
 
+    if SPLIT:  # a chunk past the causal diagonal sees no key: O = 0, and L = -inf from m_i (weight 0)
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2
     _store_tile(o_dst, q_start, acc, CHECK_Q, CHECK_D, USE_TMA)
@@ -372,6 +403,61 @@ def flash_fwd_kernel(
         tl.store(l_ptrs, lse, mask=offs_q < N_QUERIES)
     else:
         tl.store(l_ptrs, lse)
+
+
+@triton.jit
+def flash_fwd_combine_kernel(
+    Opart_ptr, Lpart_ptr, O_ptr, L_ptr, stride_o,
+    N_CHUNKS, N_HEADS, N_QUERIES,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
+):
+    """O and L from a split forward's chunks: L = log sum_c exp(L_c), O = sum_c exp(L_c - L) O_c."""
+    batch_head = tl.program_id(0)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    offs_q = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
+    offs_d = tl.arange(0, D_TILE)
+    in_range = offs_q < N_QUERIES
+    rows = batch_head.to(tl.int64) * N_QUERIES + offs_q            # row index within one chunk
+    chunk_rows = tl.num_programs(0).to(tl.int64) * N_QUERIES      # rows per chunk
+    m = tl.full((Q_TILE_SIZE,), float("-inf"), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):
+        m = tl.maximum(m, tl.load(Lpart_ptr + c * chunk_rows + rows, mask=in_range, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)                       # rows past N_QUERIES
+    total = tl.zeros((Q_TILE_SIZE,), dtype=tl.float32)
+    acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
+    cols = in_range[:, None] & (offs_d < D)[None, :]
+    for c in range(0, N_CHUNKS):
+        w = tl.exp(tl.load(Lpart_ptr + c * chunk_rows + rows, mask=in_range, other=float("-inf")) - m)
+        o_c = tl.load(Opart_ptr + (c * chunk_rows + rows)[:, None] * D_TILE + offs_d[None, :], mask=cols, other=0.0)
+        total += w
+        acc += w[:, None] * o_c
+    total = tl.where(total > 0, total, 1.0)
+    tl.store(_row_ptrs(O_ptr, stride_o, batch, head, offs_q, offs_d), (acc / total[:, None]).to(O_ptr.dtype.element_ty),
+             mask=cols)
+    tl.store(L_ptr + rows, m + tl.log(total), mask=in_range)
+
+
+@triton.jit
+def flash_split_sum_kernel(
+    Part_ptr, Out_ptr, stride_out,
+    N_CHUNKS, N_HEADS, N_ROWS,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
+):
+    """Out = the sum over chunks of a split pass's fp32 (chunks, batch·heads, N_ROWS, D_TILE) partial
+    sums, in chunk order (bitwise repeatable), in Out's dtype and strides."""
+    batch_head = tl.program_id(0)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    offs = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
+    offs_d = tl.arange(0, D_TILE)
+    cols = (offs < N_ROWS)[:, None] & (offs_d < D)[None, :]
+    chunk_size = tl.num_programs(0).to(tl.int64) * N_ROWS * D_TILE
+    ptrs = Part_ptr + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE + offs_d[None, :]
+    acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):
+        acc += tl.load(ptrs + c * chunk_size, mask=cols, other=0.0)
+    tl.store(_row_ptrs(Out_ptr, stride_out, batch, head, offs, offs_d), acc.to(Out_ptr.dtype.element_ty), mask=cols)
 
 
 @triton.jit
@@ -404,17 +490,21 @@ def flash_bwd_prep_kernel(
 def flash_bwd_kv_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, head, seq, d) strides of each tensor
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, SPLIT: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
-    """Grid (batch·kv_heads, key tiles); key tile 0 (the longest under causal masking) first.
+    """Grid (batch·kv_heads, key tiles[, query chunks]); key tile 0 (the longest under causal masking) first.
 
     L (natural log) and delta are contiguous (batch·heads, N_QUERIES). dQacc is fp32
-    (batch·heads, N_QUERIES, D_TILE), used only with DQ_ATOMIC.
+    (batch·heads, N_QUERIES, D_TILE), used only with DQ_ATOMIC. With SPLIT, program (·, ·, c) sees only
+    queries [c·CHUNK, (c+1)·CHUNK) and writes its dK, dV into chunk c of fp32 (chunks, batch·kv_heads,
+    N_KEYS, D_TILE) buffers, summed by `flash_split_sum_kernel`.
     """
+    dK_ptr += _chunk_offset(N_KEYS, D_TILE, SPLIT)
+    dV_ptr += _chunk_offset(N_KEYS, D_TILE, SPLIT)
     batch_kv_head = tl.program_id(0)
     n_kv_heads = N_HEADS // KV_GROUP
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
@@ -444,11 +534,13 @@ def flash_bwd_kv_kernel(
             dq_dst = dq_base
         row_L = L_ptr + batch_head * N_QUERIES
         row_delta = Delta_ptr + batch_head * N_QUERIES
+        lo, hi = _in_chunk(start, full_start, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
-                               start, full_start, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
+                               lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
                                CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+        lo, hi = _in_chunk(full_start, N_QUERIES, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
-                               full_start, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
+                               lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
                                CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -461,10 +553,10 @@ def flash_bwd_kv_kernel(
 def flash_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dq, stride_o, stride_docopy,  # (batch, head, seq, d)
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr, FUSED_PREP: tl.constexpr, COPY_DO: tl.constexpr,
+    DP_FIRST: tl.constexpr, FUSED_PREP: tl.constexpr, COPY_DO: tl.constexpr, SPLIT: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees.
@@ -472,7 +564,11 @@ def flash_bwd_dq_kernel(
     With FUSED_PREP the pass runs before the dK/dV pass and does the pre-pass's work for its query
     tile: dO (any strides, stride 0 included) and O through pointer loads, delta = rowsum(dO·O) stored
     for the dK/dV pass, and with COPY_DO the dO tile stored into the contiguous dOcopy for its TMA loads.
+    With SPLIT, program (·, ·, c) sees only keys [c·CHUNK, (c+1)·CHUNK) and writes its dQ into chunk c of
+    an fp32 (chunks, batch·heads, N_QUERIES, D_TILE) buffer, summed by `flash_split_sum_kernel`; chunk 0
+    stores delta and the dO copy.
     """
+    dQ_ptr += _chunk_offset(N_QUERIES, D_TILE, SPLIT)
     batch_head, batch, head, q_start, offs_q, q, k_src, v_src, dq_dst = _query_tile_program(
         Q_ptr, K_ptr, V_ptr, dQ_ptr, stride_q, stride_k, stride_v, stride_dq, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
         D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal and SKIP_MASKED_TILES, CHECK_Q, CHECK_D, USE_TMA)
@@ -485,9 +581,10 @@ def flash_bwd_dq_kernel(
         do = tl.load(_row_ptrs(dO_ptr, stride_do, batch, head, offs_q, offs_d), mask=mask, other=0.0)
         o = tl.load(_row_ptrs(O_ptr, stride_o, batch, head, offs_q, offs_d), mask=mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(Delta_ptr + row + offs_q, delta, mask=in_range)
+        first = tl.program_id(2) == 0  # every chunk of a split pass needs delta; one stores it
+        tl.store(Delta_ptr + row + offs_q, delta, mask=in_range & first)
         if COPY_DO:
-            tl.store(_row_ptrs(dOcopy_ptr, stride_docopy, batch, head, offs_q, offs_d), do, mask=mask)
+            tl.store(_row_ptrs(dOcopy_ptr, stride_docopy, batch, head, offs_q, offs_d), do, mask=mask & first)
     else:
         do_src = _tile_src(dO_ptr, stride_do, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
         do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
@@ -496,9 +593,11 @@ def flash_bwd_dq_kernel(
     qk_scale = scale * LOG2E
 
     full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, 0, full_stop, N_KEYS, qk_scale,
+    start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
                        K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, full_stop, stop, N_KEYS, qk_scale,
+    start, end = _in_chunk(full_stop, stop, CHUNK, SPLIT)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
                        K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
@@ -545,12 +644,12 @@ def _autotuned(fn, configs, extra_key=(), reset_to_zero=None):
     )(triton.heuristics(_EVEN_HEURISTICS)(fn))
 
 
-flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD)
+flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD, ["SPLIT"])
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
-flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST"],
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST", "SPLIT"],
                                     ["dQacc_ptr"])
 flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ,
-                                    ["DP_FIRST", "FUSED_PREP", "COPY_DO"])
+                                    ["DP_FIRST", "FUSED_PREP", "COPY_DO", "SPLIT"])
 
 
 @dataclass(frozen=True)
@@ -593,10 +692,12 @@ class KernelSpec:
                 args.append(seq)
             elif name == "scale":
                 args.append(d ** -0.5)
+            elif name == "CHUNK":  # unused without SPLIT
+                args.append(0)
             else:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True,
-                          USE_TMA=_tma_default(), PRECISION=_precision(dtype), **dict(self.constexprs))
+                          USE_TMA=_tma_default(), PRECISION=_precision(dtype), SPLIT=False, **dict(self.constexprs))
         return args, constexprs
 
 
@@ -639,11 +740,25 @@ class KernelOptions:
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
     gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
                                      # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
+    # Rows per chunk where a pass splits its reduction over a third grid axis (keys for the forward and
+    # the dQ pass, queries for the dK/dV pass): None chooses per launch (`split_rows`; only short grids
+    # split), 0 never splits, a positive multiple of SPLIT_UNIT splits every pass of the two-pass design.
+    split_rows: int | None = None
     # Without autotuning: (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) per kernel ("fwd", "kv",
     # "dq"); a kernel not named runs FIXED_CONFIG.
     configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
 
 
+    def __post_init__(self):
+        if self.split_rows is not None and (
+                isinstance(self.split_rows, bool) or not isinstance(self.split_rows, int)
+                or self.split_rows < 0 or self.split_rows % SPLIT_UNIT):
+            raise ValueError(f"split_rows must be None, 0 or a positive multiple of {SPLIT_UNIT}, "
+                             f"got {self.split_rows!r}")
+
+
+SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
+MIN_SPLIT_STEPS = 16  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
 DEFAULT_OPTIONS = KernelOptions()
 ATOMIC_OPTIONS = KernelOptions(deterministic=False)
 # (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) when not autotuning: a plain first kernel.
@@ -655,6 +770,41 @@ PREP_TILE = 16 if INTERPRET else 64
 def _tma_default() -> bool:
     """TMA where the GPU has it (Hopper and newer); asked once, at the first launch, not at import."""
     return not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int) -> int:
+    """Rows per chunk of a pass's reduction (0: no split) for `programs` (batch·heads) × tiles of n_rows
+    rows, each reducing over up to n_reduce rows, on a GPU with `sms` SMs.
+
+    In 128-row steps: the longest program runs `steps` of them and the whole pass W (about half of
+    rows × steps under causal masking). Two programs per SM share W evenly at W / (2·sms) steps each;
+    chunks of that many steps (at least 4, so that merging stays cheap) split the reduction where at
+    least two fit in the longest program, and only where that program is long (16 steps, 2048 rows:
+    shorter calls are bound by host time, which the merge launches add to). So short grids split (one
+    head at 4096–16384 tokens); a grid of many waves (16 heads × 16384) never does.
+    """
+    steps = -(-n_reduce // SPLIT_UNIT)
+    if steps < MIN_SPLIT_STEPS:
+        return 0
+    work = programs * -(-n_rows // SPLIT_UNIT) * steps
+    if causal:
+        work //= 2
+    pieces = steps // max(4, -(-work // (2 * sms)))
+    return -(-steps // pieces) * SPLIT_UNIT if pieces >= 2 else 0
+
+
+def _split_rows(opts: KernelOptions, programs: int, n_rows: int, n_reduce: int, causal: bool,
+                device: torch.device) -> int:
+    if opts.split_rows is not None:
+        return opts.split_rows
+    if device.type != "cuda":  # the interpreter: only where a test asks for it
+        return 0
+    return split_rows(programs, n_rows, n_reduce, causal, _sm_count(device.index or 0))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -721,6 +871,20 @@ def launch_cache_sizes() -> dict[str, int]:
     return {launcher.name: len(launcher.entries) for launcher in _LAUNCHERS}
 
 
+class _Compiled:
+    """What `_Launcher` keeps per argument signature: the compiled kernel's C launch function and its
+    fixed arguments, or (where Triton's launcher does not expose them) the kernel's runner."""
+
+    __slots__ = ("launch", "grid", "function", "cooperative", "pdl", "metadata", "scratch_size", "tail", "runner")
+
+    def __init__(self, tail: tuple, runner=None, launch=None, grid=(), function=None, cooperative=False,
+                 pdl=False, metadata=None, scratch_size: int = 0):
+        self.tail = tail  # the arguments after the call's own: constexprs and tuned meta-parameters
+        self.runner = runner
+        self.launch, self.grid, self.function = launch, grid, function
+        self.cooperative, self.pdl, self.metadata, self.scratch_size = cooperative, pdl, metadata, scratch_size
+
+
 class _Launcher:
     """Launches one kernel; remembers, per argument signature, the compiled kernel and its grid.
 
@@ -738,18 +902,21 @@ class _Launcher:
         self.name = name
         self.tuned = isinstance(kernel, triton.runtime.Autotuner)
         self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
-        self.entries: dict[tuple, tuple] = {}
+        self.entries: dict[tuple, _Compiled] = {}
         # where the tensors and the specialized non-tensors (ints, stride tuples) sit among the arguments:
         # each call site passes one fixed layout, found at its first call
         self.tensor_positions: tuple[int, ...] = ()
         self.other_positions: tuple[int, ...] | None = None
+        self.current_stream = None  # Triton's driver: the raw current stream of a device index
 
-    def _key(self, args: tuple, constexprs: dict) -> tuple:
+    def _key(self, grid, args: tuple, constexprs: dict) -> tuple:
+        """The signature: device, grid (a tuple or a hashable `TilesGrid`: the batch·heads it covers is in
+        no argument), constexprs, tensors' dtypes and alignment, the other non-float arguments."""
         if self.other_positions is None:
             self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
             self.other_positions = tuple(i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float)))
         tensors = [args[i] for i in self.tensor_positions]
-        return (torch.cuda.current_device(), *constexprs.values(), *[t.dtype for t in tensors],
+        return (torch.cuda.current_device(), grid, *constexprs.values(), *[t.dtype for t in tensors],
                 *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.other_positions])
 
     def __call__(self, grid, args: tuple, opts: KernelOptions = DEFAULT_OPTIONS, **constexprs) -> None:
@@ -761,17 +928,24 @@ class _Launcher:
         if INTERPRET or launch_hooks_installed():
             self.kernel[grid](*args, **constexprs)
             return
-        key = self._key(args, constexprs)
+        key = self._key(grid, args, constexprs)
         entry = self.entries.get(key)
-        if entry is not None:
-            launch, head, scratch_size, tail, current_stream = entry
-            if launch is None:  # no direct launch: the compiled kernel's runner
-                head(*args, *tail)
-                return
-            stream = current_stream(key[0])
-            scratch = _scratch(scratch_size, 128, stream) if scratch_size else None
-            launch(*head[:3], stream, *head[3:6], scratch, None, head[6], None, None, None, *args, *tail)
-            return
+        if entry is None:
+            self.entries[key] = self._compile(grid, args, constexprs)
+        elif entry.launch is None:
+            entry.runner(*args, *entry.tail)
+        else:
+            stream = self.current_stream(key[0])
+            scratch = _scratch(entry.scratch_size, 128, stream) if entry.scratch_size else None
+            gx, gy, gz = entry.grid
+            # the C launch's arguments: grid, stream, CUfunction, cooperative, PDL, global and profile
+            # scratch, launch metadata (warps, CTAs, shared memory), its Python hook metadata, enter and
+            # exit hooks, then the kernel's arguments
+            entry.launch(gx, gy, gz, stream, entry.function, entry.cooperative, entry.pdl, scratch, None,
+                         entry.metadata, None, None, None, *args, *entry.tail)
+
+    def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
+        """Launch through Triton (tuning and compiling as needed) and keep what later launches reuse."""
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
@@ -785,17 +959,15 @@ class _Launcher:
         launcher = kernel.run
         pieces = ("launch", "num_ctas", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
                   "launch_pdl")
-        if all(hasattr(launcher, p) for p in pieces) and launcher.profile_scratch_size == 0:
-            # the C launch's arguments: grid, stream, CUfunction, cooperative, PDL, global and profile
-            # scratch, (warps, CTAs, shared memory), launch metadata, enter and exit hooks, kernel arguments
-            scratch_size = fixed_grid[0] * fixed_grid[1] * fixed_grid[2] * launcher.num_ctas * \
-                launcher.global_scratch_size
-            head = (*fixed_grid, kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
-                    kernel.packed_metadata)
-            current_stream = triton.runtime.driver.active.get_current_stream  # raw stream of a device index
-            self.entries[key] = (launcher.launch, head, scratch_size, tail, current_stream)
-        else:
-            self.entries[key] = (None, runner, 0, tail, None)
+        if not all(hasattr(launcher, p) for p in pieces) or launcher.profile_scratch_size:
+            return _Compiled(tail, runner=runner)
+        if self.current_stream is None:
+            self.current_stream = triton.runtime.driver.active.get_current_stream
+        gx, gy, gz = fixed_grid
+        return _Compiled(tail, launch=launcher.launch, grid=fixed_grid, function=kernel.function,
+                         cooperative=launcher.launch_cooperative_grid, pdl=launcher.launch_pdl,
+                         metadata=kernel.packed_metadata,
+                         scratch_size=gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size)
 
 
 _fwd_launch = _Launcher(flash_fwd_autotuned, "fwd")
@@ -803,18 +975,41 @@ _kv_launch = _Launcher(flash_bwd_kv_autotuned, "kv")
 _dq_launch = _Launcher(flash_bwd_dq_autotuned, "dq")
 _prep_launch = _Launcher(flash_bwd_prep_kernel, "prep")
 _cast_launch = _Launcher(flash_bwd_dq_cast_kernel, "cast")
-_LAUNCHERS = (_fwd_launch, _kv_launch, _dq_launch, _prep_launch, _cast_launch)
+_combine_launch = _Launcher(flash_fwd_combine_kernel, "combine")
+_sum_launch = _Launcher(flash_split_sum_kernel, "sum")
+_LAUNCHERS = (_fwd_launch, _kv_launch, _dq_launch, _prep_launch, _cast_launch, _combine_launch, _sum_launch)
 
 
-def _tiles_grid(first: int, n: int, tile_name: str):
-    """Grid (first, tiles of n, 1) for a config's meta-parameters."""
-    def grid(meta):
-        tiles = -(-n // meta[tile_name])
+@dataclass(frozen=True)
+class TilesGrid:
+    """Grid (first, tiles of n, chunks) for a config's meta-parameters; hashable, so that the launch
+    cache keys on it (first is batch·heads, which no kernel argument carries)."""
+
+    first: int
+    n: int
+    tile_name: str
+    chunks: int = 1
+
+    def __call__(self, meta: dict) -> tuple[int, int, int]:
+        tiles = -(-self.n // meta[self.tile_name])
         if tiles > MAX_GRID_Y:
-            raise ValueError(f"sequence length {n} needs {tiles} tiles, more than the launch grid allows")
-        return (first, tiles, 1)
+            raise ValueError(f"sequence length {self.n} needs {tiles} tiles, more than the launch grid allows")
+        return (self.first, tiles, self.chunks)
 
-    return grid
+
+def _split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: int, d_tile: int, device,
+                   count: int = 1) -> tuple[int, list[torch.Tensor]]:
+    """(chunks, `count` fp32 partial buffers, each chunk 0's (batch, heads, n_rows, d_tile) view) of a
+    split pass; the kernels find chunk c at c·batch·heads·n_rows·d_tile elements from it."""
+    chunks = -(-n_reduce // chunk)
+    return chunks, [torch.empty((chunks, batch, heads, n_rows, d_tile), device=device, dtype=torch.float32)[0]
+                    for _ in range(count)]
+
+
+def _sum_chunks(part: torch.Tensor, out4: torch.Tensor, chunks: int, d: int, d_tile: int) -> None:
+    batch, heads, n_rows = out4.shape[:3]
+    _sum_launch((batch * heads, -(-n_rows // PREP_TILE), 1), (part, out4, out4.stride(), chunks, heads, n_rows),
+                D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
 
 
 def _check_head_dim(d: int) -> None:
@@ -842,13 +1037,23 @@ def flash_forward_triton(
     q4, k4, v4, o4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
+    d_tile = padded_dim(d)
+    chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
+    chunks, out, out_lse = 1, o4, lse
+    if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
+        chunks, (out,) = _split_buffers(chunk, n_k, batch, heads, n_q, d_tile, q.device)
+        out_lse = torch.empty((chunks, batch * heads, n_q), device=q.device, dtype=torch.float32)
     _fwd_launch(
-        _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
-        (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
-         heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale),
-        opts, D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-        USE_TMA=_use_tma(opts, q4, k4, v4, o4), PRECISION=_precision(q.dtype),
+        TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
+        (q4, k4, v4, out, out_lse, q4.stride(), k4.stride(), v4.stride(), out.stride(),
+         heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale, chunk),
+        opts, D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
+        USE_TMA=_use_tma(opts, q4, k4, v4, out), PRECISION=_precision(q.dtype), SPLIT=bool(chunk),
     )
+    if chunk:
+        _combine_launch((batch * heads, -(-n_q // PREP_TILE), 1),
+                        (out, out_lse, o4, lse, o4.stride(), chunks, heads, n_q),
+                        D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
     return o, lse
 
 
@@ -884,32 +1089,47 @@ def flash_backward_triton(
     # this argument before timing each config, so it must not alias a real input)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = -(-n_q // PREP_TILE)
+    # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
+    dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
+    # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
+    kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, q.device)
+    dq_chunks, dq_out = 1, dq4
+    if dq_chunk:
+        dq_chunks, (dq_out,) = _split_buffers(dq_chunk, n_k, batch, heads, n_q, d_tile, q.device)
+    kv_chunks, (dk_out, dv_out) = 1, (dk4, dv4)
+    if kv_chunk:
+        kv_chunks, (dk_out, dv_out) = _split_buffers(kv_chunk, n_q, batch, kv_heads, n_k, d_tile, q.device, 2)
     if not fused:
         _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-                  USE_TMA=inputs_tma and _use_tma(opts, do_tiles, dk4, dv4, *(() if atomic else (dq4,))),
+                  USE_TMA=inputs_tma and _use_tma(opts, do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,))),
                   PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
     if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
         _dq_launch(
-            _tiles_grid(batch * heads, n_q, "Q_TILE_SIZE"),
-            (q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, q4.stride(), k4.stride(), v4.stride(), do4.stride(),
-             dq4.stride(), o4.stride(), do_tiles.stride(), *sizes),
-            opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass,
+            TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
+            (q4, k4, v4, do4, lse, delta, dq_out, o4, do_tiles, q4.stride(), k4.stride(), v4.stride(),
+             do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(), *sizes, dq_chunk),
+            opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass, SPLIT=bool(dq_chunk),
         )
-    if opts.gluon_kv and not atomic and opts.skip_masked_tiles and common["USE_TMA"]:
+        if dq_chunk:
+            _sum_chunks(dq_out, dq4, dq_chunks, d, d_tile)
+    if opts.gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
         gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
         if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config):
             flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
                                 cached=not launch_hooks_installed())
             return dq, dk, dv
     _kv_launch(
-        _tiles_grid(batch * kv_heads, n_k, "K_TILE_SIZE"),
-        (q4, k4, v4, do_tiles, lse, delta, dk4, dv4, dq_acc, q4.stride(), k4.stride(), v4.stride(),
-         do_tiles.stride(), dk4.stride(), dv4.stride(), *sizes),
-        opts, **common, DQ_ATOMIC=atomic,
+        TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
+        (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
+         do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
+        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
     )
+    if kv_chunk:
+        _sum_chunks(dk_out, dk4, kv_chunks, d, d_tile)
+        _sum_chunks(dv_out, dv4, kv_chunks, d, d_tile)
     if atomic:
         _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)

@@ -290,6 +290,57 @@ def test_flash_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fuse
         assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
 
 
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("tma", [None, True], ids=["default", "tma-forced"])
+def test_flash_split_passes_match_float64(is_causal, tma):
+    """Short grids split each pass's reduction into chunks (forced here: 128 rows, so 3 chunks), merged
+    by the combine and sum kernels: the same function as unsplit (GQA, ragged Nq != Nk; with TMA forced
+    the dO of o.sum(), which the dQ pass's chunk 0 copies), and a bitwise-repeatable backward."""
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 4, 300, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 270, 32, generator=gen).to(DEVICE) for _ in range(2))
+    opts = KernelOptions(tma=tma, split_rows=128)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    if tma:
+        do = torch.ones(1, 1, 1, 1, device=DEVICE).expand_as(o)
+    grads = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
+    exact = run(lambda *a: _sdpa64(*a, group=2), *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), exact):
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+    _, l_ref = reference_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                   v.double().repeat_interleave(2, 1), is_causal)
+    assert max_err(lse, l_ref) <= 1e-4, f"L: max error {max_err(lse, l_ref):.3g}"
+    again = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
+    for name, x, y in zip(("dQ", "dK", "dV"), grads, again):
+        assert torch.equal(x, y), f"{name} differs between two runs of the split backward"
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ((16, 16384, 16384, True), 0),        # the leaderboard: ~8 waves of programs, never split
+    ((1, 65536, 65536, True), 0),
+    ((16, 1024, 1024, True), 0),          # loops of 8 steps: host-bound, no merge launches added
+    ((1, 4096, 4096, True), 512),         # 32 programs for 132 SMs: 8 chunks of 4 steps
+    ((1, 16384, 16384, True), 4096),      # 128 programs: the longest loop cut 4x
+    ((1, 16384, 16384, False), 8192),     # 128 equal programs on 264 slots: 2 chunks each
+    ((4, 16384, 16384, True), 0),         # 512 programs of 64 steps on average: long enough
+])
+def test_flash_split_rows_splits_only_short_grids(shape, expected):
+    from cs336_systems.flash_triton import split_rows
+
+    assert split_rows(*shape, sms=132) == expected
+
+
+@pytest.mark.parametrize("rows", [100, -128, True, 1.5, "128"])
+def test_flash_split_rows_option_is_checked(rows):
+    from cs336_systems.flash_triton import KernelOptions
+
+    with pytest.raises(ValueError, match="split_rows"):
+        KernelOptions(split_rows=rows)
+
+
 def test_flash_attention_is_exported_from_the_package():
     import cs336_systems
     from cs336_systems.flash_triton import flash_attention

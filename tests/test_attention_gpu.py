@@ -29,6 +29,23 @@ def test_flash_triton_bf16_long_sequences_meet_2x_rule(seq_len, d_head, is_causa
     check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0))
 
 
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_flash_split_short_grid_meets_2x_rule(d_head, is_causal):
+    """One head of 8192 tokens is a short grid: the passes split their reductions into chunks
+    (split_rows > 0 on this GPU). The bf16 2x rule holds and the backward is bitwise repeatable."""
+    from cs336_systems.flash_triton import flash_attention, split_rows
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert split_rows(1, 8192, 8192, is_causal, sms) > 0, "this shape no longer splits: pick another"
+    q, k, v, do = (randn_cuda(1, 1, 8192, d_head, seed=60 + d_head + i) for i in range(4))
+    ours = run(flash_attention, q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0))
+    again = run(flash_attention, q, k, v, do, is_causal)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, again):
+        assert torch.equal(x, y), f"{name} differs between two runs"
+
+
 @pytest.mark.parametrize("d_head", [192, 256])
 def test_flash_triton_large_head_dims_meet_2x_rule(d_head):
     q, k, v, do = (randn_cuda(1, 2, 2048, d_head, seed=d_head + i) for i in range(4))
@@ -112,3 +129,18 @@ def test_flash_fast_launch_path_keeps_specializations_apart():
         assert rel_err(flash_attention(q, q, q, True), ref) < 1e-2, (offset, seq)
     # the fast path ran: one entry per signature (aligned and not, 512 and 500), not zero
     assert launch_cache_sizes()["fwd"] >= 3, launch_cache_sizes()
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_flash_fast_launch_path_keys_on_the_batch(is_causal):
+    """The batch is in no kernel argument (contiguous strides do not carry it), only in the grid:
+    a cached launch must not reuse another batch size's grid (it did before the grid joined the key)."""
+    from cs336_systems.flash_triton import flash_attention
+
+    for batch in (1, 3, 2, 3):
+        q, k, v, do = (randn_cuda(batch, 2, 1024, 64, seed=70 + batch + i) for i in range(4))
+        ours = run(lambda *a: flash_attention(*a), q, k, v, do, is_causal)
+        exact = run(lambda a, b, c, causal: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                    *(t.double() for t in (q, k, v, do)), is_causal)
+        for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+            assert rel_err(x, ref) < 1e-2, f"batch {batch}, {name}: relative error {rel_err(x, ref):.3g}"

@@ -12,8 +12,9 @@ Every benchmark (attention, flash, leaderboard, model, overhead) builds its call
                    the shipped kernel with the opt-in Gluon dK/dV pass (`KernelOptions(gluon_kv=True)`)
   sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
                    `F.scaled_dot_product_attention` restricted to one backend
-  NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants)
-  NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton)
+  NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants, the SDPA backends)
+  NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton, the SDPA
+                   backends: the same-run yardstick for our op under CUDA graphs)
 
 `build(name, setup)` raises `Unsupported` (recorded as an "unsupported" row) where the combination
 cannot run: an SDPA backend without a kernel for the dtype / device, or torch.compile around our
@@ -143,7 +144,7 @@ BASE_IMPLS = {
         Impl("flash_pytorch", _flash_pytorch),
         Impl(SHIPPED, _flash_triton, triton=True, compile_modes=("_compiled", "_cudagraphs")),
         Impl("flash_triton_gluon_kv", _flash_triton_gluon_kv, triton=True),
-        *(Impl(name, _sdpa(name)) for name in SDPA_BACKENDS),
+        *(Impl(name, _sdpa(name), compile_modes=("_compiled", "_cudagraphs")) for name in SDPA_BACKENDS),
     )
 }
 

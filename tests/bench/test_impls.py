@@ -24,13 +24,13 @@ def test_names_cover_every_family():
 
     names = impls.names()
     assert {"naive", "naive_compiled", "flash_pytorch", "flash_triton", "flash_triton_compiled",
-            "flash_triton_cudagraphs", *impls.SDPA_BACKENDS} <= set(names)
+            "flash_triton_cudagraphs", *impls.SDPA_BACKENDS, "sdpa_flash_compiled", "sdpa_flash_cudagraphs"} <= set(names)
     assert {f"flash_triton:{v}" for v in ABLATION_VARIANTS} <= set(names)
     assert len(names) == len(set(names))
 
 
 @pytest.mark.parametrize("name", ["naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_math",
-                                  "sdpa_efficient"])
+                                  "sdpa_efficient", "sdpa_math_compiled"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_every_eager_entry_computes_attention(name, is_causal):
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def test_unknown_and_unsupported():
     with pytest.raises(ValueError, match="unknown implementation 'nosuch'"):
         impls.build("nosuch", CPU)
     with pytest.raises(ValueError, match="unknown implementation"):
-        impls.parse("sdpa_flash_compiled")  # SDPA entries have no compiled form
+        impls.parse("flash_pytorch_compiled")  # an entry without a compiled form
     with pytest.raises(Unsupported, match="Triton-interpreter"):
         impls.build("flash_triton_compiled", CPU)
     cuda_setup = impls.Setup(torch.device("cuda"), "fp32", seq_len=32)
