@@ -440,24 +440,40 @@ def flash_fwd_combine_kernel(
 
 @triton.jit
 def flash_split_sum_kernel(
-    Part_ptr, Out_ptr, stride_out,
-    N_CHUNKS, N_HEADS, N_ROWS,
-    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
+    Part_ptr, Out_ptr, stride_out, PART_STEP, OUT_STEP,
+    N_CHUNKS, CHUNK, N_HEADS, N_ROWS,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, is_causal: tl.constexpr,
+    ROWS_ARE_KEYS: tl.constexpr,
 ):
     """Out = the sum over chunks of a split pass's fp32 (chunks, batch·heads, N_ROWS, D_TILE) partial
-    sums, in chunk order (bitwise repeatable), in Out's dtype and strides."""
+    sums, in chunk order (bitwise repeatable), in Out's dtype and strides. Grid axis 2 picks one of
+    several such (partials, output) pairs, PART_STEP and OUT_STEP elements apart (dK and dV in one
+    launch). Under causal masking only the chunks that can reach a row tile are read: for query rows
+    (dQ: chunks of keys) those starting at or before its last row, for key rows (dK, dV: chunks of
+    queries) those ending after its first row; the others hold zeros."""
     batch_head = tl.program_id(0)
     batch = (batch_head // N_HEADS).to(tl.int64)
     head = (batch_head % N_HEADS).to(tl.int64)
-    offs = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
+    pair = tl.program_id(2).to(tl.int64)
+    first_row = tl.program_id(1) * Q_TILE_SIZE
+    offs = first_row + tl.arange(0, Q_TILE_SIZE)
     offs_d = tl.arange(0, D_TILE)
     cols = (offs < N_ROWS)[:, None] & (offs_d < D)[None, :]
     chunk_size = tl.num_programs(0).to(tl.int64) * N_ROWS * D_TILE
-    ptrs = Part_ptr + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE + offs_d[None, :]
+    ptrs = (Part_ptr + pair * PART_STEP + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE
+            + offs_d[None, :])
+    lo = 0
+    hi = N_CHUNKS
+    if is_causal:
+        if ROWS_ARE_KEYS:
+            lo = first_row // CHUNK
+        else:
+            hi = tl.minimum(N_CHUNKS, (first_row + Q_TILE_SIZE - 1) // CHUNK + 1)
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
-    for c in range(0, N_CHUNKS):
+    for c in range(lo, hi):
         acc += tl.load(ptrs + c * chunk_size, mask=cols, other=0.0)
-    tl.store(_row_ptrs(Out_ptr, stride_out, batch, head, offs, offs_d), acc.to(Out_ptr.dtype.element_ty), mask=cols)
+    out = _row_ptrs(Out_ptr + pair * OUT_STEP, stride_out, batch, head, offs, offs_d)
+    tl.store(out, acc.to(Out_ptr.dtype.element_ty), mask=cols)
 
 
 @triton.jit
@@ -758,12 +774,13 @@ class KernelOptions:
 
 
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
-MIN_SPLIT_STEPS = 16  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
+MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
 DEFAULT_OPTIONS = KernelOptions()
 ATOMIC_OPTIONS = KernelOptions(deterministic=False)
 # (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) when not autotuning: a plain first kernel.
 FIXED_CONFIG = (16, 16, 1, 1) if INTERPRET else (64, 64, 4, 3)
 PREP_TILE = 16 if INTERPRET else 64
+SUM_TILE = 16 if INTERPRET else 32  # rows per program of the split sum (more programs: it is latency-bound)
 
 
 @functools.cache
@@ -784,9 +801,10 @@ def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int
     In 128-row steps: the longest program runs `steps` of them and the whole pass W (about half of
     rows × steps under causal masking). Two programs per SM share W evenly at W / (2·sms) steps each;
     chunks of that many steps (at least 4, so that merging stays cheap) split the reduction where at
-    least two fit in the longest program, and only where that program is long (16 steps, 2048 rows:
-    shorter calls are bound by host time, which the merge launches add to). So short grids split (one
-    head at 4096–16384 tokens); a grid of many waves (16 heads × 16384) never does.
+    least two fit in the longest program, and only where that program is long (MIN_SPLIT_STEPS, 16384
+    rows: on the H200 shorter calls are bound by host time, which the merge launches add to; session
+    10's A/B). So short grids of long sequences split (one head at 16384–32768 tokens); a grid of many
+    waves (16 heads × 16384) never does.
     """
     steps = -(-n_reduce // SPLIT_UNIT)
     if steps < MIN_SPLIT_STEPS:
@@ -999,17 +1017,23 @@ class TilesGrid:
 
 def _split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: int, d_tile: int, device,
                    count: int = 1) -> tuple[int, list[torch.Tensor]]:
-    """(chunks, `count` fp32 partial buffers, each chunk 0's (batch, heads, n_rows, d_tile) view) of a
-    split pass; the kernels find chunk c at c·batch·heads·n_rows·d_tile elements from it."""
+    """(chunks, `count` fp32 partial buffers of a split pass, one allocation, each as chunk 0's (batch,
+    heads, n_rows, d_tile) view); the kernels find chunk c at c·batch·heads·n_rows·d_tile elements
+    from it, and buffer i + 1 starts `chunks` of those after buffer i."""
     chunks = -(-n_reduce // chunk)
-    return chunks, [torch.empty((chunks, batch, heads, n_rows, d_tile), device=device, dtype=torch.float32)[0]
-                    for _ in range(count)]
+    parts = torch.empty((count, chunks, batch, heads, n_rows, d_tile), device=device, dtype=torch.float32)
+    return chunks, [parts[i, 0] for i in range(count)]
 
 
-def _sum_chunks(part: torch.Tensor, out4: torch.Tensor, chunks: int, d: int, d_tile: int) -> None:
+def _sum_chunks(parts: list[torch.Tensor], out4: torch.Tensor, out_step: int, chunks: int, chunk: int, d: int,
+                d_tile: int, is_causal: bool, rows_are_keys: bool) -> None:
+    """out4 (and the outputs out_step elements after it, one per further partial buffer) = the sum of
+    `parts`' chunks (buffers from one `_split_buffers`)."""
     batch, heads, n_rows = out4.shape[:3]
-    _sum_launch((batch * heads, -(-n_rows // PREP_TILE), 1), (part, out4, out4.stride(), chunks, heads, n_rows),
-                D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
+    part_step = chunks * parts[0].numel()
+    _sum_launch((batch * heads, -(-n_rows // SUM_TILE), len(parts)),
+                (parts[0], out4, out4.stride(), part_step, out_step, chunks, chunk, heads, n_rows),
+                D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal, ROWS_ARE_KEYS=rows_are_keys)
 
 
 def _check_head_dim(d: int) -> None:
@@ -1080,19 +1104,22 @@ def flash_backward_triton(
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
     scale = d ** -0.5 if scale is None else scale
+    # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
+    dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
+    # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
+    kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, q.device)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if kv_chunk:  # dK and dV in one allocation: one sum launch writes both
+        dk, dv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype).unbind(0)
+    else:
+        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
     # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
     # this argument before timing each config, so it must not alias a real input)
     dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
     n_prep = -(-n_q // PREP_TILE)
-    # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
-    dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
-    # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
-    kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, q.device)
     dq_chunks, dq_out = 1, dq4
     if dq_chunk:
         dq_chunks, (dq_out,) = _split_buffers(dq_chunk, n_k, batch, heads, n_q, d_tile, q.device)
@@ -1114,7 +1141,7 @@ def flash_backward_triton(
             opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass, SPLIT=bool(dq_chunk),
         )
         if dq_chunk:
-            _sum_chunks(dq_out, dq4, dq_chunks, d, d_tile)
+            _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
     if opts.gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
         gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
         if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config):
@@ -1128,8 +1155,7 @@ def flash_backward_triton(
         opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
     )
     if kv_chunk:
-        _sum_chunks(dk_out, dk4, kv_chunks, d, d_tile)
-        _sum_chunks(dv_out, dv4, kv_chunks, d, d_tile)
+        _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
     if atomic:
         _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)

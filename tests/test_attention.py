@@ -321,9 +321,11 @@ def test_flash_split_passes_match_float64(is_causal, tma):
 @pytest.mark.parametrize("shape,expected", [
     ((16, 16384, 16384, True), 0),        # the leaderboard: ~8 waves of programs, never split
     ((1, 65536, 65536, True), 0),
-    ((16, 1024, 1024, True), 0),          # loops of 8 steps: host-bound, no merge launches added
-    ((1, 4096, 4096, True), 512),         # 32 programs for 132 SMs: 8 chunks of 4 steps
+    ((16, 1024, 1024, True), 0),          # short loops: host-bound, no merge launches added
+    ((1, 4096, 4096, True), 0),           # 32 programs for 132 SMs, but host-bound on the H200
+    ((1, 8192, 8192, True), 0),
     ((1, 16384, 16384, True), 4096),      # 128 programs: the longest loop cut 4x
+    ((1, 32768, 32768, True), 16384),
     ((1, 16384, 16384, False), 8192),     # 128 equal programs on 264 slots: 2 chunks each
     ((4, 16384, 16384, True), 0),         # 512 programs of 64 steps on average: long enough
 ])
