@@ -794,12 +794,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int) -> int:
+def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int, per_sm: int = 2) -> int:
     """Rows per chunk of a pass's reduction (0: no split) for `programs` (batch·heads) × tiles of n_rows
-    rows, each reducing over up to n_reduce rows, on a GPU with `sms` SMs.
+    rows, each reducing over up to n_reduce rows, on a GPU with `sms` SMs running `per_sm` programs each
+    (the shipped configs: two at head dim ≤ 64, one above, by registers and shared memory).
 
     In 128-row steps: the longest program runs `steps` of them and the whole pass W (about half of
-    rows × steps under causal masking). Two programs per SM share W evenly at W / (2·sms) steps each;
+    rows × steps under causal masking). The resident programs share W evenly at W / (per_sm·sms) steps each;
     chunks of that many steps (at least 4, so that merging stays cheap) split the reduction where at
     least two fit in the longest program, and only where that program is long (MIN_SPLIT_STEPS, 16384
     rows: on the H200 shorter calls are bound by host time, which the merge launches add to; session
@@ -812,17 +813,17 @@ def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int
     work = programs * -(-n_rows // SPLIT_UNIT) * steps
     if causal:
         work //= 2
-    pieces = steps // max(4, -(-work // (2 * sms)))
+    pieces = steps // max(4, -(-work // (per_sm * sms)))
     return -(-steps // pieces) * SPLIT_UNIT if pieces >= 2 else 0
 
 
-def _split_rows(opts: KernelOptions, programs: int, n_rows: int, n_reduce: int, causal: bool,
+def _split_rows(opts: KernelOptions, programs: int, n_rows: int, n_reduce: int, causal: bool, d: int,
                 device: torch.device) -> int:
     if opts.split_rows is not None:
         return opts.split_rows
     if device.type != "cuda":  # the interpreter: only where a test asks for it
         return 0
-    return split_rows(programs, n_rows, n_reduce, causal, _sm_count(device.index or 0))
+    return split_rows(programs, n_rows, n_reduce, causal, _sm_count(device.index or 0), 2 if d <= 64 else 1)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -1062,7 +1063,7 @@ def flash_forward_triton(
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
-    chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
+    chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     chunks, out, out_lse = 1, o4, lse
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
         chunks, (out,) = _split_buffers(chunk, n_k, batch, heads, n_q, d_tile, q.device)
@@ -1105,9 +1106,9 @@ def flash_backward_triton(
     d_tile = padded_dim(d)
     scale = d ** -0.5 if scale is None else scale
     # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
-    dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, q.device)
+    dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
-    kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, q.device)
+    kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, d, q.device)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if kv_chunk:  # dK and dV in one allocation: one sum launch writes both
         dk, dv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype).unbind(0)

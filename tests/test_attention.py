@@ -326,13 +326,16 @@ def test_flash_split_passes_match_float64(is_causal, tma):
     ((1, 8192, 8192, True), 0),
     ((1, 16384, 16384, True), 4096),      # 128 programs: the longest loop cut 4x
     ((1, 32768, 32768, True), 16384),
+    ((1, 16384, 16384, True, 1), 8192),   # one program per SM (head dim > 64): half the slots
+    ((1, 32768, 32768, True, 1), 0),      # the longest program is as long as the SM's share
     ((1, 16384, 16384, False), 8192),     # 128 equal programs on 264 slots: 2 chunks each
     ((4, 16384, 16384, True), 0),         # 512 programs of 64 steps on average: long enough
 ])
 def test_flash_split_rows_splits_only_short_grids(shape, expected):
     from cs336_systems.flash_triton import split_rows
 
-    assert split_rows(*shape, sms=132) == expected
+    *shape, per_sm = shape if len(shape) == 5 else (*shape, 2)
+    assert split_rows(*shape, sms=132, per_sm=per_sm) == expected
 
 
 @pytest.mark.parametrize("rows", [100, -128, True, 1.5, "128"])
