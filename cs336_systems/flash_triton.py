@@ -14,9 +14,14 @@ Layout, top-down:
                                   atomics (five matmuls per tile pair instead of seven);
        `flash_bwd_dq_kernel`      the deterministic design's dQ pass, run first: dQ per query tile,
                                   delta (and a contiguous copy of an expanded dO) for the dK/dV pass;
-       `flash_bwd_dq_cast_kernel` the atomic design's fp32 dQ -> dQ·scale in the input dtype.
-     Causal grids run the longest tiles first (the last wave is short tiles, not long ones).
-  3. Host launchers: checks, (..., S, D) -> (B, H, S, D) views, allocation, config choice, grid.
+       `flash_bwd_dq_cast_kernel` the atomic design's fp32 dQ -> dQ·scale in the input dtype;
+       `flash_fwd_combine_kernel`, `flash_split_sum_kernel`
+                                  merge the chunks of a split pass (below).
+     Causal grids run the longest tiles first (the last wave is short tiles, not long ones). Short
+     grids (few heads × long sequences) split each pass's reduction into chunks along grid axis 2
+     (`split_rows` decides), merged in a fixed order, so the backward stays bitwise repeatable.
+  3. Host launchers: checks, (..., S, D) -> (B, H, S, D) views, allocation, config choice, grid, and
+     a launch cache per signature (grid included) that calls compiled kernels' C launch directly.
   4. `KernelOptions`, `FlashAttention2Triton` (autograd.Function) and `flash_attention`.
 
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2; the scale folds into one FMA with the

@@ -16,6 +16,7 @@ torch is imported lazily: this module is imported when the CLI builds its parser
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -124,8 +125,21 @@ def git_commit() -> str:
     return f"{head}-dirty" if dirty else head
 
 
+def package_digest(root: Path | None = None) -> str:
+    """sha256 (12 hex digits) of the cs336_systems sources that are running (`root`: that package's
+    directory): which code a row measured, whatever `commit` says. A commit label set through the
+    environment, or a second copy of the package put on PYTHONPATH for a before/after run, can name
+    another tree than the one imported (`python -m` puts the working directory first on sys.path)."""
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def run_metadata(device: torch.device | None) -> Row:
-    """What every row of one invocation shares: device, versions, commit, fp32 matmul precision."""
+    """What every row of one invocation shares: device, versions, commit (and the digest of the package
+    that ran), fp32 matmul precision."""
     import torch
     import triton
 
@@ -138,6 +152,7 @@ def run_metadata(device: torch.device | None) -> Row:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": git_commit(),
+        "code_sha": package_digest(),
         "matmul_precision": torch.get_float32_matmul_precision(),
     }
 

@@ -13,7 +13,7 @@ from cs336_systems.bench.record import read_rows
 REQUIRED = (
     "problem", "impl", "mode", "dtype", "batch", "n_heads", "seq_len", "d_head", "is_causal", "ms", "ms_p20",
     "ms_p80", "tflops", "peak_mem_mb", "status", "gpu", "torch", "triton", "commit", "run_id", "time",
-    "matmul_precision", "smoke",
+    "matmul_precision", "code_sha", "smoke",
 )
 # Rows a smoke run may legitimately not complete: SDPA backends that have no kernel for the CPU / dtype,
 # and torch.compile around our kernels (dynamo cannot trace Triton-interpreter kernels).

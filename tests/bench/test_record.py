@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,20 @@ def test_resume_skips_done_rows(tmp_path):
     # Other timing settings are other measurements.
     assert run_cli(*args, "--iters", "3", "--resume") == 0
     assert len(rows_of(tmp_path, "attention")) == len(kept) + 3 + 4
+
+
+def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):
+    """`code_sha` hashes the imported package's sources: a second copy of the package (as a before/after
+    run puts on PYTHONPATH) has the same digest only when its sources are the same."""
+    import shutil
+
+    import cs336_systems
+    from cs336_systems.bench.record import package_digest, run_metadata
+
+    package = Path(cs336_systems.__file__).parent
+    assert run_metadata(None)["code_sha"] == package_digest() == package_digest(package)
+    copy = tmp_path / "cs336_systems"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert package_digest(copy) == package_digest()
+    (copy / "flash_triton.py").write_text((copy / "flash_triton.py").read_text() + "\n# changed\n")
+    assert package_digest(copy) != package_digest()
