@@ -307,6 +307,17 @@ def _query_program(N_HEADS, KV_GROUP, Q_TILE_SIZE: tl.constexpr, LONGEST_FIRST: 
 
 
 @triton.jit
+def _row_tile_program(N_HEADS, TILE: tl.constexpr, D_TILE: tl.constexpr):
+    """A program of grid (batch·heads, row tiles[, ·]) of the small kernels (pre-pass, casts, merges):
+    its batch·head, batch, head, first row, row offsets and column offsets."""
+    batch_head = tl.program_id(0)
+    batch = (batch_head // N_HEADS).to(tl.int64)
+    head = (batch_head % N_HEADS).to(tl.int64)
+    first = tl.program_id(1) * TILE
+    return batch_head, batch, head, first, first + tl.arange(0, TILE), tl.arange(0, D_TILE)
+
+
+@triton.jit
 def _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                 D: tl.constexpr, K_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, USE_TMA: tl.constexpr):
     """Tile sources of one (batch, K/V head)'s K and V."""
@@ -417,11 +428,7 @@ def flash_fwd_combine_kernel(
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
 ):
     """O and L from a split forward's chunks: L = log sum_c exp(L_c), O = sum_c exp(L_c - L) O_c."""
-    batch_head = tl.program_id(0)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
-    offs_q = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
-    offs_d = tl.arange(0, D_TILE)
+    batch_head, batch, head, _, offs_q, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)
     in_range = offs_q < N_QUERIES
     rows = batch_head.to(tl.int64) * N_QUERIES + offs_q            # row index within one chunk
     chunk_rows = tl.num_programs(0).to(tl.int64) * N_QUERIES      # rows per chunk
@@ -456,13 +463,8 @@ def flash_split_sum_kernel(
     launch). Under causal masking only the chunks that can reach a row tile are read: for query rows
     (dQ: chunks of keys) those starting at or before its last row, for key rows (dK, dV: chunks of
     queries) those ending after its first row; the others hold zeros."""
-    batch_head = tl.program_id(0)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
+    batch_head, batch, head, first_row, offs, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)
     pair = tl.program_id(2).to(tl.int64)
-    first_row = tl.program_id(1) * Q_TILE_SIZE
-    offs = first_row + tl.arange(0, Q_TILE_SIZE)
-    offs_d = tl.arange(0, D_TILE)
     cols = (offs < N_ROWS)[:, None] & (offs_d < D)[None, :]
     chunk_size = tl.num_programs(0).to(tl.int64) * N_ROWS * D_TILE
     ptrs = (Part_ptr + pair * PART_STEP + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE
@@ -489,12 +491,7 @@ def flash_bwd_prep_kernel(
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
     """delta = rowsum(dO·O) in fp32, contiguous (batch·heads, N_QUERIES); zero the dQ accumulator."""
-    batch_head = tl.program_id(0)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
-    q_start = tl.program_id(1) * Q_TILE_SIZE
-    offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-    offs_d = tl.arange(0, D_TILE)
+    batch_head, batch, head, _, offs_q, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)
     rows = (offs_q < N_QUERIES)[:, None]
     mask = rows & (offs_d < D)[None, :]
     o = tl.load(_row_ptrs(O_ptr, stride_o, batch, head, offs_q, offs_d), mask=mask, other=0.0)
@@ -630,11 +627,7 @@ def flash_bwd_dq_cast_kernel(
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr,
 ):
     """dQ = scale · dQacc in dQ's dtype and strides (the atomic design's last step)."""
-    batch_head = tl.program_id(0)
-    batch = (batch_head // N_HEADS).to(tl.int64)
-    head = (batch_head % N_HEADS).to(tl.int64)
-    offs_q = tl.program_id(1) * Q_TILE_SIZE + tl.arange(0, Q_TILE_SIZE)
-    offs_d = tl.arange(0, D_TILE)
+    batch_head, batch, head, _, offs_q, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)
     rows = (offs_q < N_QUERIES)[:, None]
     acc = tl.load(dQacc_ptr + batch_head.to(tl.int64) * N_QUERIES * D_TILE + offs_q[:, None] * D_TILE
                   + offs_d[None, :], mask=rows, other=0.0)
