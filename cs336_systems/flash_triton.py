@@ -1321,5 +1321,5 @@ __all__ = [
     "AUTOTUNED_KERNELS", "KERNELS", "FlashAttention2Triton", "KernelOptions", "KernelSpec",
     "attention_backward", "attention_forward", "autograd_function", "flash_attention", "flash_attn_bwd",
     "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "launch_cache_sizes",
-    "launch_hooks_installed", "make_configs",
+    "launch_hooks_installed", "make_configs", "split_rows",
 ]
