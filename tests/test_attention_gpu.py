@@ -140,7 +140,7 @@ def test_flash_fast_launch_path_keys_on_the_batch(is_causal):
 
     for batch in (1, 3, 2, 3):
         q, k, v, do = (randn_cuda(batch, 2, 1024, 64, seed=70 + batch + i) for i in range(4))
-        ours = run(lambda *a: flash_attention(*a), q, k, v, do, is_causal)
+        ours = run(flash_attention, q, k, v, do, is_causal)
         exact = run(lambda a, b, c, causal: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
                     *(t.double() for t in (q, k, v, do)), is_causal)
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):

@@ -5,53 +5,29 @@ step (forward + backward) beside SDPA flash and cuDNN. Session 10 (NOTES.md).
     OUT=<dir> COMMIT=<commit> python3 runs/kernels/split_ab.py [--shapes 16384x64 32768x128 ...]
 
 writes <dir>/split_ab.jsonl. Run 1 (commit 343a3c7) used --shapes 4096x64 4096x128 8192x64 8192x128
-16384x64 16384x128 32768x64; run 2 (9709a43) the default list.
+16384x64 16384x128 32768x64; run 2 (9709a43) the default list. Both runs timed host µs and kernel µs
+with local copies of `bench.timing.host_times` and `kernel_times_us` (the same measurements; their rows
+show the upper of the two middle host samples, and kernel names cut to 40 characters, µs rounded to 0.1).
 """
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+from cs336_systems.bench.timing import host_times, kernel_times_us
 from cs336_systems.flash_triton import (FlashAttention2Triton, KernelOptions, autograd_function,
                                         flash_backward_triton, flash_forward_triton, split_rows)
 
 OUT = os.environ["OUT"]
+DEVICE = torch.device("cuda")
 NOSPLIT = KernelOptions(split_rows=0)
 NoSplit = autograd_function("FlashNoSplit", NOSPLIT)
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 commit = os.environ.get("COMMIT", "?")
-
-
-def host_us(fn, n=60):
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return sorted(ts)[n // 2] * 1e6
-
-
-def kernel_us(fn, n=10):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in p.key_averages():
-        t = getattr(e, "self_device_time_total", 0) or 0
-        if t > 0:
-            out[e.key[:40]] = round(t / n, 1)
-    return out
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -71,8 +47,9 @@ for n, d in shapes:
         grads = bwd()
         res[name] = dict(
             fwd_ms=do_bench(fwd, warmup=50, rep=300), bwd_ms=do_bench(bwd, warmup=50, rep=300),
-            fwd_host_us=host_us(fwd), bwd_host_us=host_us(bwd),
-            fwd_kernels=kernel_us(fwd), bwd_kernels=kernel_us(bwd), outputs=(o, *grads))
+            fwd_host_us=host_times(fwd, DEVICE, iters=60, warmup=0)["host_us"],
+            bwd_host_us=host_times(bwd, DEVICE, iters=60, warmup=0)["host_us"],
+            fwd_kernels=kernel_times_us(fwd), bwd_kernels=kernel_times_us(bwd), outputs=(o, *grads))
     diff = max((a.float() - b.float()).abs().max().item()
                for a, b in zip(res["split"].pop("outputs"), res["nosplit"].pop("outputs")))
     step = {}
