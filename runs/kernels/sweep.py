@@ -104,6 +104,17 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 11: the single pass with atomic dQ in Gluon (five matmuls per tile pair; dQ through a TMA bulk
+    # reduction) against the shipped two-pass design and the Triton single pass
+    "gluon_atomic": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/atomic-tma": [(64, 64, 4, 3)],
+            "bwd/atomic-tma-gluon": [(64, 64, 4, 2), (64, 64, 4, 3)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
     "gluon_kv128": dict(
         shape=(1, 1, 65536, 128),
         fwd={},
