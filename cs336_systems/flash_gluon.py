@@ -38,25 +38,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """global[desc at coord] += shared `src` as one asynchronous TMA bulk reduction (cp.reduce.async.bulk),
-    completed like a TMA store (`tma.store_wait`). Gluon 3.6 builds the op (its builder's
-    `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no
-    wrapper for it; this is that wrapper, shaped like `tma.async_copy_shared_to_global`."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -90,32 +78,15 @@ def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N
 
 
 @gluon.jit
-def _reduce_dq(dq_desc, dq_smem, dq, t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
-    """Add query tile t's dQ (fp32 registers) to the global accumulator: through buffer t % 2, once the
-    reduction that last read it (tile t-2's) is done; at most one reduction stays in flight."""
-    tma.store_wait(pendings=1)
-    buf = dq_smem.index(t % 2)
-    buf.store(dq)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
-
-
-@gluon.jit
 def flash_bwd_kv_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L_ptr, Delta_ptr,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D); L
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
-    latency off the path from the Sᵀ wait to the exponentials).
-
-    With DQ_ATOMIC (the single-pass backward: five matmuls per tile pair instead of the two-pass design's
-    seven) each tile pair also computes dQ = dS·K (unscaled; dSᵀ goes through shared memory, read
-    transposed) and adds it to the fp32 (B·H·Nq, D) accumulator behind dq_desc with a TMA bulk
-    reduction, issued one tile later from a double buffer, so the reduction runs while the next tile
-    computes. dq_desc is unused without DQ_ATOMIC."""
+    latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
     batch_kv_head = gl.program_id(0)
     k_start = gl.program_id(1) * BLOCK_N
@@ -143,10 +114,6 @@ def flash_bwd_kv_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
-    if DQ_ATOMIC:
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
 
     # Query tiles that see this key tile: causal (top-left), queries from k_start on.
     if is_causal:
@@ -172,8 +139,6 @@ def flash_bwd_kv_gluon_kernel(
     # the register operands of the last dV and dK wgmmas, kept alive until the wait that retires them
     p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
-    if DQ_ATOMIC:
-        zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
                                       BLOCK_M)
     mbarrier.wait(kv_bar, 0)
@@ -202,30 +167,19 @@ def flash_bwd_kv_gluon_kernel(
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(1, deps=(dpT, ))
-        dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-        if DQ_ATOMIC:  # dSᵀ from shared memory for both matmuls (registers are short)
-            ds_smem.store(dsT)  # tile t-1's dK and dQ, the last readers, are done (the wait after Sᵀ)
-            fence_async_shared()
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-            dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
-            # dQ read in the iteration that issued it (a wgmma result read in a later iteration makes ptxas
-            # serialize every wgmma of the kernel, warning C7514): the tensor cores run dK meanwhile
-            dq = warpgroup_mma_wait(1, deps=(dq, ))
-            _reduce_dq(dq_desc, dq_smem, dq, t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-        else:
-            ds_op = gl.convert_layout(dsT, a_layout)
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        ds_op = gl.convert_layout((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
-    # K and V are no longer read: their buffers stage dK and dV for the TMA stores
-    k_smem.store((dk * scale).to(dtype))
-    v_smem.store(dv.to(dtype))
+    out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], dk_desc.layout)
+    out_smem.index(0).store((dk * scale).to(dtype))
+    out_smem.index(1).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
     tma.store_wait(pendings=0)
 
 
@@ -234,9 +188,6 @@ def flash_bwd_kv_gluon_kernel(
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SMEM_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32}
-# the single-pass (DQ_ATOMIC) kernel holds dK, dV, Sᵀ, dPᵀ and dQ in one warpgroup's registers: only d 64 fits
-ATOMIC_HEAD_DIMS = (64,)
 
 
 @functools.cache
@@ -244,14 +195,10 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
-              dq_atomic: bool = False) -> bool:
-    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128 (64 with dq_atomic),
-    contiguous, whole tiles."""
+def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None) -> bool:
+    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, whole tiles."""
     d = q4.shape[-1]
     if d not in CONFIGS or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
-        return False
-    if dq_atomic and d not in ATOMIC_HEAD_DIMS:
         return False
     block_m, block_n, _, _ = config or CONFIGS[d]
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
@@ -263,7 +210,7 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
 
 @functools.cache
 def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, d], _SMEM_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES[dtype])
 
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -282,25 +229,19 @@ def launch_cache_size() -> int:
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, dq_acc: torch.Tensor | None = None) -> None:
+            cached: bool = True) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
-    lse, delta: contiguous (B·H, Nq) fp32. With dq_acc (contiguous fp32 (B·H, Nq, D), zeroed by the
-    caller; `supported(..., dq_atomic=True)`), the single pass also adds the unscaled dQ into it.
-    cached=False (e.g. with launch hooks installed, which only Triton's own launch path calls) launches
-    through the JIT every time."""
+    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
+    Triton's own launch path calls) launches through the JIT every time."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or CONFIGS[d]
-    atomic = dq_acc is not None
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
-                      DQ_ATOMIC=atomic, num_warps=warps)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
     grid = (batch * kv_heads, n_k // block_n, 1)
-    dk_desc = _desc(dk4, block_n)
-    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m), dk_desc,
-            _desc(dv4, block_n), _desc(dq_acc, block_m) if atomic else dk_desc, lse, delta, heads,
-            heads // kv_heads, n_q, n_k, scale)
-    key = (q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, atomic, heads, heads // kv_heads,
-           n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
+            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
+    key = (q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads, n_q,
+           n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
     compiled = _COMPILED.get(key) if cached else None
     if compiled is None:
         compiled = flash_bwd_kv_gluon_kernel[grid](*args, **constexprs)

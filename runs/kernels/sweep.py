@@ -95,23 +95,14 @@ PLANS = {
     # Runs 9a-9c timed builds with flags since removed (configs (..., KV_IN_REGISTERS, EARLY_S,
     # PREFETCH_ROWS) in their rows, commits 3f6cf2d and d7855a0); the pass now always prefetches.
     # Run 10 (plans gluon_ws, gluon_ws128 of commit 768d525) timed a warp-specialized kernel, selected
-    # by 8-warp configs; it lost and was removed (its code is in that commit).
+    # by 8-warp configs; it lost and was removed (its code is in that commit). Run 11 (plan gluon_atomic of
+    # commit 34c5a8e) timed the single pass with atomic dQ in Gluon (design bwd/atomic-tma-gluon); it lost
+    # and was removed likewise.
     "gluon_kv": dict(
         shape=SHAPE,
         fwd={},
         kv={"bwd/det-tma": [(32, 128, 4, 3)],
             "bwd/det-tma-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4)]},
-        dq=[(128, 64, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
-    # run 11: the single pass with atomic dQ in Gluon (five matmuls per tile pair; dQ through a TMA bulk
-    # reduction) against the shipped two-pass design and the Triton single pass
-    "gluon_atomic": dict(
-        shape=SHAPE,
-        fwd={},
-        kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/atomic-tma": [(64, 64, 4, 3)],
-            "bwd/atomic-tma-gluon": [(64, 64, 4, 2), (64, 64, 4, 3)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
