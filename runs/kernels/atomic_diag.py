@@ -21,7 +21,7 @@ VARIANTS = {
     "as_built": [],
     "no_reduce": [(RED, "")],                                  # dQ stored to shared memory, never added
     "no_store": [(CALL, "")],                                  # dQ computed and waited for, not stored
-    "no_dq_wait": [(CALL, ""), (WAIT, "")],                    # dQ issued, never read
+    "no_dq_wait": [(CALL, ""), (WAIT, "")],                    # dQ never read: the compiler drops its matmul
 }
 shape = (1, 16, 16384, 64)
 g = torch.Generator(device="cuda").manual_seed(0)
