@@ -106,6 +106,16 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 12: the single pass with atomic dQ in Gluon, warp-specialized (cs336_systems/flash_gluon.py,
+    # flash_bwd_single_pass_kernel: 64 queries x 128 keys; the config's last number is its ring's stages)
+    "single_pass": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/atomic-tma-gluon": [(64, 128, 4, 2), (64, 128, 4, 3)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
     "gluon_kv128": dict(
         shape=(1, 1, 65536, 128),
         fwd={},
