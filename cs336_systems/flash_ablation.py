@@ -6,8 +6,7 @@ exponentials, and whose dQ pass, run first, computes delta and copies an expande
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
 "atomic_dq" is the alternative backward: the single-pass backward with fp32 atomic dQ
-(`deterministic=False`), measured slower on the H200; "gluon_atomic_dq" is that design with its single
-pass written in Gluon (`cs336_systems/flash_gluon.py`, d 64; elsewhere the Triton pass runs). The steps before "tma" load tiles through
+(`deterministic=False`), measured slower on the H200. The steps before "tma" load tiles through
 block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
 `runs/README.md` has the table. Non-shipped variants launch eagerly (a graph break under
 torch.compile).
@@ -30,7 +29,6 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "autotune": autograd_function("FlashAutotune", KernelOptions(tma=False, fused_prep=False)),
     "tma": autograd_function("FlashTma", KernelOptions(dp_first=False, fused_prep=False)),
     "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False)),
-    "gluon_atomic_dq": autograd_function("FlashGluonAtomicDq", KernelOptions(deterministic=False, gluon_kv=True)),
     "dp_first": autograd_function("FlashDpFirst", KernelOptions(fused_prep=False)),
     "fused_prep": FlashAttention2Triton,
 }

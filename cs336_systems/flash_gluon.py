@@ -38,25 +38,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """global[desc at coord] += shared `src` as one asynchronous TMA bulk reduction (cp.reduce.async.bulk),
-    completed like a TMA store (`tma.store_wait`). Gluon 3.6 builds the op (its builder's
-    `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no
-    wrapper for it; this is that wrapper, shaped like `tma.async_copy_shared_to_global`."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -195,230 +183,11 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
-# The single-pass backward (five matmuls per tile pair; dQ added to an fp32 accumulator), warp-specialized
-# like FlashAttention-3's: one program per 2·HALF keys and four partitions. A one-warp producer loads K
-# and V once (rows of both halves; K also in column halves, dQ's right operand) and streams the group's
-# (Q, dO) tiles through a TMA ring. Two consumer warpgroups each own HALF keys and run the dK/dV
-# schedule of `flash_bwd_kv_gluon_kernel` on every tile; each stores its half of dSᵀ into one shared
-# (2·HALF keys × BLOCK_M) tile, and once both halves are in (`ds_full`), consumer c computes the columns
-# [c·D/2, (c+1)·D/2) of the tile's dQ = dS·K over all 2·HALF keys, so a 64-query tile's dQ leaves the
-# SM once per 128 keys, in two halves of 8 KiB, one per consumer. A one-warp writer adds them to the fp32
-# accumulator with TMA bulk reductions from a double buffer, off the consumers' path.
-#
-# Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
-#   ready[s]  producer -> consumers: (Q, dO) tile in stage s           empty[s]   consumers (2) -> producer
-#   kv_bar    producer -> consumers: K, V and K's column halves
-#   ds_full   consumers (2) -> consumers: both dSᵀ halves of a tile     ds_empty   consumers (2): both dQs read it
-#   dq_full[b] consumers (2) -> writer: dQ halves in buffer b          dq_empty[b] writer -> consumers
-
-
-@gluon.jit
-def _sp_producer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                 q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                 L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                 BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                 is_causal: gl.constexpr, ROLE: gl.constexpr):
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
-                    + 4 * kc_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + c * HALF, 0], kv_bar, k_smem.slice(c * HALF, HALF))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + c * HALF, 0], kv_bar, v_smem.slice(c * HALF, HALF))
-        for j in gl.static_range(2):
-            tma.async_copy_global_to_shared(kc_desc, [kv_row + c * HALF, j * (D // 2)], kv_bar,
-                                            kc_smem.index(j).slice(c * HALF, HALF))
-    for t in range(total):
-        s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-        bar = ready.index(s)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
-
-
-@gluon.jit
-def _sp_writer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-               q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-               L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-               BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-               is_causal: gl.constexpr, ROLE: gl.constexpr):
-    for t in range(total):
-        b = t % 2
-        mbarrier.wait(dq_full.index(b), (t // 2) & 1)
-        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-        for c in gl.static_range(2):
-            _tma_reduce_add(dq_desc, [row, c * (D // 2)], dq_smem.index(2 * b + c))
-        tma.store_wait(pendings=0)  # the reductions have read the buffer
-        mbarrier.arrive(dq_empty.index(b))
-
-
-@gluon.jit
-def _sp_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                 q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                 L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                 BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                 is_causal: gl.constexpr, ROLE: gl.constexpr):
-    """Consumer ROLE (0 or 1): keys kv_row + ROLE·HALF onwards and dQ's columns ROLE·D/2 onwards."""
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D // 2, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    k_tile = k_smem.slice(ROLE * HALF, HALF)
-    v_tile = v_smem.slice(ROLE * HALF, HALF)
-    ds_mine = ds_smem.slice(ROLE * HALF, HALF)
-    key0 = k_start + ROLE * HALF  # this warpgroup's first key
-    offs_k = key0 + gl.arange(0, HALF, layout=row_layout)
-    qk_scale = scale * LOG2E
-    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
-    zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
-    zero_dq = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
-    dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, acc_layout))
-    p_op = gl.zeros([HALF, BLOCK_M], dtype, a_layout)
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
-                                      BLOCK_M)
-    mbarrier.wait(kv_bar, 0)
-    for t in range(total):
-        s = t % STAGES
-        q_start = q_first + (t % n_vis) * BLOCK_M
-        lse = lse_next
-        delta = delta_next
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
-                                          N_QUERIES, BLOCK_M)
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        q_tile = q_smem.index(s)
-        do_tile = do_smem.index(s)
-        sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sT, dk, dv, p_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op))
-        # tile t-1's dV and dK are done: this consumer is finished with its stage
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t > 0)
-        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
-        if is_causal:
-            if q_start < key0 + HALF:  # on or before this warpgroup's diagonal: query i sees key j iff i >= j
-                keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
-                pT = gl.where(keep, pT, 0.0)
-        p_op = gl.convert_layout(pT.to(dtype), a_layout)
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        dpT = warpgroup_mma_wait(1, deps=(dpT, ))
-        dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-        # this half of the tile's dSᵀ into shared memory (dK's and dQ's left operand: registers are short),
-        # once both consumers' dQs of tile t-1 have read it (and this one's dK of t-1: the wait after Sᵀ)
-        mbarrier.wait(ds_empty, (t & 1) ^ 1)
-        ds_mine.store(dsT)
-        fence_async_shared()
-        mbarrier.arrive(ds_full)
-        mbarrier.wait(ds_full, t & 1)
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), kc_smem.index(ROLE), zero_dq, use_acc=False, is_async=True)
-        dk = warpgroup_mma(ds_mine, q_tile, dk, is_async=True)
-        # dQ read in the iteration that issued it (a wgmma result read in a later iteration makes ptxas
-        # serialize every wgmma of the kernel, warning C7514); dK keeps the tensor cores busy meanwhile
-        dq = warpgroup_mma_wait(1, deps=(dq, ))
-        mbarrier.arrive(ds_empty)
-        b = t % 2
-        mbarrier.wait(dq_empty.index(b), ((t // 2) & 1) ^ 1)
-        dq_smem.index(2 * b + ROLE).store(dq)
-        fence_async_shared()
-        mbarrier.arrive(dq_full.index(b))
-    dk, dv, p_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op))
-    # this warpgroup's K and V rows are no longer read (dQ reads K's column copy): they stage dK and dV
-    k_tile.store((dk * scale).to(dtype))
-    v_tile.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row + ROLE * HALF, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [kv_row + ROLE * HALF, 0], v_tile)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def flash_bwd_single_pass_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, L_ptr, Delta_ptr,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
-    BLOCK_M: gl.constexpr, HALF: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
-):
-    """Grid (batch·kv_heads, key tiles of 2·HALF). Q, dO: (B·H·Nq, D) views with BLOCK_M-row blocks; K, V,
-    dK, dV: (B·Hkv·Nk, D) with HALF-row blocks; kc_desc: K again, in (HALF, D/2) blocks; dq_desc: the fp32
-    (B·H·Nq, D) accumulator (zeroed by the caller), (BLOCK_M, D/2) blocks, receiving the unscaled dQ; L
-    (natural log) and delta: contiguous (B·H, Nq) fp32."""
-    dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head = gl.program_id(0)
-    k_start = gl.program_id(1) * (2 * HALF)
-    n_kv_heads = N_HEADS // KV_GROUP
-    batch = batch_kv_head // n_kv_heads
-    kv_head = batch_kv_head % n_kv_heads
-    kv_row = batch_kv_head * N_KEYS + k_start
-    first_head = batch * N_HEADS + kv_head * KV_GROUP
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
-
-    k_smem = gl.allocate_shared_memory(dtype, [2 * HALF, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * HALF, D], v_desc.layout)
-    kc_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, D // 2], kc_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * HALF, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([2 * HALF, BLOCK_M], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, D // 2], dq_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(ds_full, count=2)
-    mbarrier.init(ds_empty, count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(dq_full.index(i), count=2)
-        mbarrier.init(dq_empty.index(i), count=1)
-
-    gl.warp_specialize([
-        (_sp_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                  q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                  L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                  BLOCK_M, HALF, D, STAGES, is_causal, 0)),
-        (_sp_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                  q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                  L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                  BLOCK_M, HALF, D, STAGES, is_causal, 1)),
-        (_sp_producer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                  q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                  L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                  BLOCK_M, HALF, D, STAGES, is_causal, 0)),
-        (_sp_writer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kc_desc, dq_desc, k_smem, v_smem, kc_smem,
-                  q_smem, do_smem, ds_smem, dq_smem, ready, empty, kv_bar, ds_full, ds_empty, dq_full, dq_empty,
-                  L_ptr, Delta_ptr, kv_row, k_start, q_first, n_vis, total, first_head, N_QUERIES, scale,
-                  BLOCK_M, HALF, D, STAGES, is_causal, 0)),
-    ], [4, 1, 1], [240, 24, 24])
-
-
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 
-# the single pass (`flash_bwd_single_pass_kernel`): (BLOCK_M queries, 2·HALF keys, STAGES); d 64 only
-# (the registers of its consumer warpgroups)
-SINGLE_PASS_CONFIG = (64, 128, 2)
-SINGLE_PASS_HEAD_DIMS = (64,)
-
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SMEM_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32}
 
 
 @functools.cache
@@ -426,17 +195,11 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
-              single_pass: bool = False) -> bool:
-    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128 (single_pass: d 64),
-    contiguous, whole tiles."""
+def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None) -> bool:
+    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, whole tiles."""
     d = q4.shape[-1]
     if d not in CONFIGS or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
         return False
-    if single_pass:
-        if d not in SINGLE_PASS_HEAD_DIMS:
-            return False
-        config = SINGLE_PASS_CONFIG[:2] + (0, 0)
     block_m, block_n, _, _ = config or CONFIGS[d]
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
@@ -447,15 +210,13 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
 
 @functools.cache
 def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, d], _SMEM_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES[dtype])
 
 
-def _desc(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
-    """A TMA descriptor of t as (rows of its last dim) with (rows, cols) blocks (cols: the whole row)."""
+def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     flat = t.view(-1, t.shape[-1])
-    cols = cols or t.shape[-1]
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols],
-                            _smem_layout(rows, cols, t.dtype))
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
+                            _smem_layout(rows, t.shape[-1], t.dtype))
 
 
 # Compiled kernels per launch signature (dtype, config, causal, the integer arguments, the alignment of L
@@ -468,36 +229,22 @@ def launch_cache_size() -> int:
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, dq_acc: torch.Tensor | None = None) -> None:
+            cached: bool = True) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
-    lse, delta: contiguous (B·H, Nq) fp32. With dq_acc (contiguous fp32 (B·H, Nq, D), zeroed; tensors
-    `supported(..., single_pass=True)` accepted) the single pass also adds the unscaled dQ into it.
-    cached=False (e.g. with launch hooks installed, which only Triton's own launch path calls) launches
-    through the JIT every time."""
+    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
+    Triton's own launch path calls) launches through the JIT every time."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    if dq_acc is not None:
-        kernel = flash_bwd_single_pass_kernel
-        block_m, block_n, stages = SINGLE_PASS_CONFIG
-        stages = config[3] if config else stages  # the tiles are fixed; a config sets the ring's stages
-        warps, half = 4, block_n // 2
-        constexprs = dict(BLOCK_M=block_m, HALF=half, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
-        args = (_desc(q4, block_m), _desc(k4, half), _desc(v4, half), _desc(do4, block_m), _desc(dk4, half),
-                _desc(dv4, half), _desc(k4, half, d // 2), _desc(dq_acc, block_m, d // 2), lse, delta, heads,
-                heads // kv_heads, n_q, n_k, scale)
-    else:
-        kernel = flash_bwd_kv_gluon_kernel
-        block_m, block_n, warps, stages = config or CONFIGS[d]
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
-                          num_warps=warps)
-        args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
-                _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
+    block_m, block_n, warps, stages = config or CONFIGS[d]
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
     grid = (batch * kv_heads, n_k // block_n, 1)
-    key = (q4.device.index, q4.dtype, kernel.__name__, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
+            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
+    key = (q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads, n_q,
+           n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
     compiled = _COMPILED.get(key) if cached else None
     if compiled is None:
-        compiled = kernel[grid](*args, **constexprs)
+        compiled = flash_bwd_kv_gluon_kernel[grid](*args, **constexprs)
         if cached:
             _COMPILED[key] = compiled
         return

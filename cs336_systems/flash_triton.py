@@ -752,9 +752,8 @@ class KernelOptions:
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
-    gluon_kv: bool = False           # the dK/dV pass in Gluon (flash_gluon) where it applies (sm_90, 16-bit,
-                                     # d 64/128, contiguous, whole tiles); with deterministic=False, the
-                                     # single pass with atomic dQ in Gluon (d 64 only)
+    gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
+                                     # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
     # Rows per chunk where a pass splits its reduction over a third grid axis (keys for the forward and
     # the dQ pass, queries for the dK/dV pass): None chooses per launch (`split_rows`; only short grids
     # split), 0 never splits, a positive multiple of SPLIT_UNIT splits every pass of the two-pass design.
@@ -1142,18 +1141,18 @@ def flash_backward_triton(
         )
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
-    if (opts.gluon_kv and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]
-            and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, single_pass=atomic)):
-        flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
-                            cached=not launch_hooks_installed(), dq_acc=dq_acc if atomic else None)
-    else:
-        _kv_launch(
-            TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
-            (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
-             do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
-            opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
-        )
+    if opts.gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
+        gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
+        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config):
+            flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
+                                cached=not launch_hooks_installed())
+            return dq, dk, dv
+    _kv_launch(
+        TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
+        (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
+         do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
+        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
+    )
     if kv_chunk:
         _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
     if atomic:

@@ -96,23 +96,13 @@ PLANS = {
     # PREFETCH_ROWS) in their rows, commits 3f6cf2d and d7855a0); the pass now always prefetches.
     # Run 10 (plans gluon_ws, gluon_ws128 of commit 768d525) timed a warp-specialized kernel, selected
     # by 8-warp configs; it lost and was removed (its code is in that commit). Run 11 (plan gluon_atomic of
-    # commit 34c5a8e) timed the single pass with atomic dQ in Gluon (design bwd/atomic-tma-gluon); it lost
-    # and was removed likewise.
+    # commit 34c5a8e) timed the single pass with atomic dQ in Gluon (design bwd/atomic-tma-gluon), run 12
+    # (plan single_pass of commit 1c8ee71) its warp-specialized build; both lost and were removed likewise.
     "gluon_kv": dict(
         shape=SHAPE,
         fwd={},
         kv={"bwd/det-tma": [(32, 128, 4, 3)],
             "bwd/det-tma-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4)]},
-        dq=[(128, 64, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
-    # run 12: the single pass with atomic dQ in Gluon, warp-specialized (cs336_systems/flash_gluon.py,
-    # flash_bwd_single_pass_kernel: 64 queries x 128 keys; the config's last number is its ring's stages)
-    "single_pass": dict(
-        shape=SHAPE,
-        fwd={},
-        kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/atomic-tma-gluon": [(64, 128, 4, 2), (64, 128, 4, 3)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
