@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
@@ -183,9 +184,177 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
+# ----------------------------------------------------------------------------------------------
+# The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
+# ----------------------------------------------------------------------------------------------
+#
+# One program per 2·BLOCK_M query rows: a one-warp producer loads Q once and streams K and V tiles
+# of BLOCK_N keys through a TMA ring; two consumer warpgroups own BLOCK_M query rows each and share
+# every K/V tile. Per key tile j a consumer
+#     waits for its turn, issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}, hands the turn over,
+#     waits for S_j (P_{j-1}·V_{j-1} may still run), computes P_j = exp2(S_j·scale·log2 e - m_j),
+#     waits for P_{j-1}·V_{j-1}, frees stage j-1 and rescales O by exp2(m_{j-1} - m_j),
+# so its exponentials run under its own P·V matmul and, through the turns (ping-pong), under the
+# other warpgroup's matmuls: the two warpgroups issue their matmuls alternately instead of in step.
+#
+# Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
+#   q_bar      producer -> consumers: Q            ready_k[s], ready_v[s]  producer -> consumers: K, V in stage s
+#   empty[s]   consumers (2) -> producer: stage s read by both
+#   turn[r]    consumer 1 - r -> consumer r: r may issue its matmuls
+
+
+@gluon.jit
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, q_row, kv_row,
+                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], ready_k.index(s), k_smem.index(s))
+        mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], ready_v.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr):
+    """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
+    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j."""
+    if is_causal:
+        if k_start + BLOCK_N > first:
+            offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
+            sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+                  q_start, n_tiles, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, is_causal: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE (0 or 1): query rows q_start + ROLE·BLOCK_M onwards."""
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_tile = q_smem.slice(ROLE * BLOCK_M, BLOCK_M)
+    first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
+    offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
+    qk_scale = scale * LOG2E
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if ROLE == 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+
+    # key tile 0: S only (there is no P·V before it)
+    mbarrier.wait(turn.index(ROLE), 0)
+    mbarrier.wait(ready_k.index(0), 0)
+    sc = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - ROLE))
+    sc = warpgroup_mma_wait(0, deps=(sc, ))
+    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(ready_k.index(s), (j // STAGES) & 1)
+        sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
+        mbarrier.arrive(turn.index(1 - ROLE))
+        sc = warpgroup_mma_wait(1, deps=(sc, ))
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
+        # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
+        # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
+        # wait (a branch) keeps it here
+        mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
+        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        mbarrier.arrive(empty.index(sp))  # K_{j-1} and V_{j-1} read
+        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    sl = (n_tiles - 1) % STAGES
+    mbarrier.wait(ready_v.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
+    o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+    mbarrier.arrive(empty.index(sl))
+
+    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+    q_tile.store(o.to(dtype))  # this warpgroup's Q rows are no longer read: they stage O
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row + ROLE * BLOCK_M, 0], q_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def flash_fwd_gluon_kernel(
+    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    is_causal: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (batch·heads, query tiles of 2·BLOCK_M), the longest causal tiles first. Q, O: (B·H·Nq, D)
+    views (Q in 2·BLOCK_M-row blocks, O in BLOCK_M-row blocks); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks;
+    L: contiguous (B·H, Nq) fp32, natural log."""
+    dtype: gl.constexpr = q_desc.dtype
+    batch_head = gl.program_id(0)
+    if is_causal:
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)
+    else:
+        tile = gl.program_id(1)
+    q_start = tile * (2 * BLOCK_M)
+    batch = batch_head // N_HEADS
+    head = batch_head % N_HEADS
+    kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
+    l_row = batch_head * N_QUERIES
+    q_row = l_row + q_start
+    if is_causal:  # top-left: the keys up to the tile's last query
+        n_tiles = gl.minimum(q_start + 2 * BLOCK_M, N_KEYS) // BLOCK_N
+    else:
+        n_tiles = N_KEYS // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_k.index(i), count=1)
+        mbarrier.init(ready_v.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+
+    gl.warp_specialize([
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+                         q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 0)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+                         q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 1)),
+        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, q_row,
+                         kv_row, n_tiles, BLOCK_N, STAGES)),
+    ], [4, 1], [240, 24])
+
+
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
+# the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, num_warps per warpgroup, STAGES)
+FWD_CONFIGS = {64: (64, 128, 4, 2), 128: (64, 128, 4, 2)}
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -195,17 +364,33 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def _takes(tensors, d: int, configs: dict) -> bool:
+    """sm_90, 16-bit, a head dim with a config, contiguous, one dtype, 16-byte aligned."""
+    q4 = tensors[0]
+    if d not in configs or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
+        return False
+    if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in tensors):
+        return False
+    return _is_sm90(q4.device.index)
+
+
 def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None) -> bool:
     """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, whole tiles."""
     d = q4.shape[-1]
-    if d not in CONFIGS or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
-        return False
-    block_m, block_n, _, _ = config or CONFIGS[d]
+    block_m, block_n, _, _ = config or CONFIGS.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
-    if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4)):
+    return _takes((q4, k4, v4, do4), d, CONFIGS)
+
+
+def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:
+    """Whether `forward` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, query
+    lengths in whole 2·BLOCK_M tiles and key lengths in whole BLOCK_N tiles."""
+    d = q4.shape[-1]
+    block_m, block_n, _, _ = config or FWD_CONFIGS.get(d, (1, 1, 0, 0))
+    if q4.shape[2] % (2 * block_m) or k4.shape[2] % block_n or (2 * block_m) % block_n:
         return False
-    return _is_sm90(q4.device.index)
+    return _takes((q4, k4, v4), d, FWD_CONFIGS)
 
 
 @functools.cache
@@ -219,13 +404,26 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             _smem_layout(rows, t.shape[-1], t.dtype))
 
 
-# Compiled kernels per launch signature (dtype, config, causal, the integer arguments, the alignment of L
-# and delta): later launches call the compiled kernel directly, skipping the JIT's argument binder.
+# Compiled kernels per launch signature (kernel, dtype, config, causal, the integer arguments, the
+# alignment of the pointer arguments): later launches call the compiled kernel directly, skipping the
+# JIT's argument binder.
 _COMPILED: dict[tuple, object] = {}
 
 
 def launch_cache_size() -> int:
     return len(_COMPILED)
+
+
+def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cached: bool) -> None:
+    """Launch through the JIT the first time a signature is seen (or every time if not cached), then
+    through the compiled kernel."""
+    compiled = _COMPILED.get(key) if cached else None
+    if compiled is None:
+        compiled = kernel[grid](*args, **constexprs)
+        if cached:
+            _COMPILED[key] = compiled
+        return
+    compiled[grid](*args, *constexprs.values())
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
@@ -240,12 +438,21 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
-    key = (q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads, n_q,
-           n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
-    compiled = _COMPILED.get(key) if cached else None
-    if compiled is None:
-        compiled = flash_bwd_kv_gluon_kernel[grid](*args, **constexprs)
-        if cached:
-            _COMPILED[key] = compiled
-        return
-    compiled[grid](*args, *constexprs.values())
+    key = ("kv", q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
+           n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+    _launch(flash_bwd_kv_gluon_kernel, grid, args, constexprs, key, cached)
+
+
+def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True) -> None:
+    """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
+    tensors `fwd_supported` accepted with the same config."""
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
+    grid = (batch * heads, n_q // (2 * block_m), 1)
+    args = (_desc(q4, 2 * block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
+            heads // kv_heads, n_q, n_k, scale)
+    key = ("fwd", q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
+           n_q, n_k, lse.data_ptr() % 16 == 0)
+    _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)

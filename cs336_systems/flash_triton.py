@@ -754,6 +754,8 @@ class KernelOptions:
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
     gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
                                      # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
+    gluon_fwd: bool = False          # the forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: producer warp,
+                                     # two consumer warpgroups taking turns) where it applies
     # Rows per chunk where a pass splits its reduction over a third grid axis (keys for the forward and
     # the dQ pass, queries for the dK/dV pass): None chooses per launch (`split_rows`; only short grids
     # split), 0 never splits, a positive multiple of SPLIT_UNIT splits every pass of the two-pass design.
@@ -1062,6 +1064,12 @@ def flash_forward_triton(
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
+    if opts.gluon_fwd and not chunk and _tma_wanted(opts):
+        gluon_config = None if opts.autotune else dict(opts.configs).get("fwd")
+        if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
+            flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, d ** -0.5 if scale is None else scale, gluon_config,
+                                cached=not launch_hooks_installed())
+            return o, lse
     chunks, out, out_lse = 1, o4, lse
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
         chunks, (out,) = _split_buffers(chunk, n_k, batch, heads, n_q, d_tile, q.device)

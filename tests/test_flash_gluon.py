@@ -1,8 +1,9 @@
-"""The Gluon dK/dV pass (cs336_systems.flash_gluon) on the GPU: Gluon has no interpreter.
+"""The Gluon kernels (cs336_systems.flash_gluon) on the GPU: Gluon has no interpreter.
 
-Each case runs the whole backward with `KernelOptions(gluon_kv=True)` and checks dQ, dK, dV against
-float64 with the bf16/fp16 2x rule (SDPA in the same dtype is the baseline), and that the Gluon pass
-was the one that ran (the inputs are ones `flash_gluon.supported` takes).
+Each dK/dV-pass case runs the whole backward with `KernelOptions(gluon_kv=True)`, each forward case the
+forward with `KernelOptions(gluon_fwd=True)`, and checks the outputs against float64 with the bf16/fp16
+2x rule (SDPA in the same dtype is the baseline), and that the Gluon kernel was the one that ran (the
+inputs are ones `flash_gluon.supported` / `fwd_supported` take).
 """
 
 from __future__ import annotations
@@ -73,6 +74,71 @@ def test_gluon_kv_pass_cached_launch_repeats_bitwise():
     cached = flash_gluon.launch_cache_size()
     assert cached >= 1
     again = flash_backward_triton(q, k, v, o, lse, do, True, opts)
+    assert flash_gluon.launch_cache_size() == cached
+    for x, y in zip(first, again):
+        assert torch.equal(x, y)
+
+
+FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
+    "d64": (1, 2, 2, 2048, 2048, 64, torch.bfloat16),
+    "gqa": (2, 8, 2, 1024, 1024, 64, torch.bfloat16),
+    "fp16_fewer_queries": (1, 4, 4, 1024, 2048, 64, torch.float16),
+    "more_queries": (1, 4, 4, 2048, 1024, 64, torch.bfloat16),
+    "one_key_tile": (1, 2, 2, 128, 128, 64, torch.bfloat16),
+    "d128": (1, 2, 2, 2048, 2048, 128, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(FWD_CASES))
+def test_gluon_forward_meets_2x_rule(case, is_causal):
+    """O against float64 by the 2x rule; L against float64's logsumexp (natural log)."""
+    from cs336_systems import flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
+
+    b, h, h_kv, n_q, n_k, d, dtype = FWD_CASES[case]
+    q = randn_cuda(b, h, n_q, d, seed=80, dtype=dtype)
+    k, v = (randn_cuda(b, h_kv, n_k, d, seed=81 + i, dtype=dtype) for i in range(2))
+    assert flash_gluon.fwd_supported(q, k, v), "the case must take the Gluon path"
+    o, lse = flash_forward_triton(q, k, v, is_causal, KernelOptions(gluon_fwd=True))
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=h != h_kv)
+
+    exact = sdpa(*(t.double() for t in (q, k, v)))
+    base = sdpa(q, k, v)
+    assert o.shape == exact.shape and o.dtype == dtype
+    assert rel_err(o, exact) <= 2 * rel_err(base, exact) + 1e-6, (
+        f"O: relative error {rel_err(o, exact):.3g} vs SDPA's {rel_err(base, exact):.3g}")
+    kd = k.double().repeat_interleave(h // h_kv, dim=1)
+    scores = q.double() @ kd.transpose(-1, -2) * d ** -0.5
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-3, rtol=0)
+
+
+def test_gluon_forward_declines_what_it_cannot_tile():
+    """Query lengths not in 128-row tiles, key lengths not in key tiles, other head dims, fp32: Triton."""
+    from cs336_systems import flash_gluon
+
+    q, k, v = (randn_cuda(1, 2, 1024, 64, seed=90 + i, dtype=torch.bfloat16) for i in range(3))
+    assert flash_gluon.fwd_supported(q, k, v)
+    assert not flash_gluon.fwd_supported(q[:, :, :960].contiguous(), k, v)
+    assert not flash_gluon.fwd_supported(q, k[:, :, :1000].contiguous(), v[:, :, :1000].contiguous())
+    assert not flash_gluon.fwd_supported(*(t[..., :32].contiguous() for t in (q, k, v)))
+    assert not flash_gluon.fwd_supported(*(t.float() for t in (q, k, v)))
+    assert not flash_gluon.fwd_supported(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+
+
+def test_gluon_forward_cached_launch_repeats_bitwise():
+    from cs336_systems import flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
+
+    q, k, v = (randn_cuda(1, 4, 1024, 64, seed=95 + i, dtype=torch.bfloat16) for i in range(3))
+    opts = KernelOptions(gluon_fwd=True)
+    first = flash_forward_triton(q, k, v, True, opts)
+    cached = flash_gluon.launch_cache_size()
+    again = flash_forward_triton(q, k, v, True, opts)
     assert flash_gluon.launch_cache_size() == cached
     for x, y in zip(first, again):
         assert torch.equal(x, y)

@@ -2,7 +2,8 @@
 
 One call times every (design, config) of a plan with fixed configs (no autotuner), beside PyTorch
 SDPA's flash and cuDNN backends in the same process:
-  fwd/<tma|ptr>            the forward, TMA descriptors or block pointers;
+  fwd/<tma|ptr>[-gluon]    the forward, TMA descriptors or block pointers; -gluon: the forward of
+                           cs336_systems/flash_gluon.py (gluon_fwd);
   bwd/atomic-<tma|ptr>     the single-pass backward with fp32 atomic dQ (TMA bulk reduce or atom.add);
   bwd/det-<tma|ptr>[-prep][-gluon]
                            the deterministic two-pass backward (kv configs run with the plan's fixed
@@ -98,6 +99,24 @@ PLANS = {
     # by 8-warp configs; it lost and was removed (its code is in that commit). Run 11 (plan gluon_atomic of
     # commit 34c5a8e) timed the single pass with atomic dQ in Gluon (design bwd/atomic-tma-gluon), run 12
     # (plan single_pass of commit 1c8ee71) its warp-specialized build; both lost and were removed likewise.
+    # run 13: the forward in Gluon (flash_gluon.flash_fwd_gluon_kernel; configs (BLOCK_M rows per consumer
+    # warpgroup, BLOCK_N keys, warps per warpgroup, STAGES)) against the shipped Triton forward
+    "gluon_fwd": dict(
+        shape=SHAPE,
+        fwd={"fwd/tma": [(128, 64, 4, 3), (128, 128, 4, 3)],
+             "fwd/tma-gluon": [(64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)]},
+        kv={},
+        dq=[],
+        dq_fixed=(128, 64, 8, 3),
+    ),
+    "gluon_fwd128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={"fwd/tma": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 8, 2)],
+             "fwd/tma-gluon": [(64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2)]},
+        kv={},
+        dq=[],
+        dq_fixed=(128, 64, 8, 3),
+    ),
     "gluon_kv": dict(
         shape=SHAPE,
         fwd={},
@@ -128,9 +147,10 @@ def options(design: str, configs: dict):
 
     kind, mode = design.split("/")
     parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon]
+    gluon = "gluon" in parts
     return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
-                         fused_prep="prep" not in parts, gluon_kv="gluon" in parts,
-                         configs=tuple(sorted(configs.items())))
+                         fused_prep="prep" not in parts, gluon_kv=gluon and kind == "bwd",
+                         gluon_fwd=gluon and kind == "fwd", configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):
