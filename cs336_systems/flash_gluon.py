@@ -199,20 +199,25 @@ def flash_bwd_kv_gluon_kernel(
 #
 # Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
 #   q_bar      producer -> consumers: Q            ready_k[s], ready_v[s]  producer -> consumers: K, V in stage s
-#   empty[s]   consumers (2) -> producer: stage s read by both
+#   empty_k[s], empty_v[s]  consumers (2) -> producer: K (after S), V (after P·V) of stage s read by both
 #   turn[r]    consumer 1 - r -> consumer r: r may issue its matmuls
+# K and V are released apart: a consumer takes the next turn before its wait for P_{j-1}·V_{j-1} (below),
+# so with one barrier per stage and two stages the producer's wait for stage j-2 and the turns would
+# wait on each other.
 
 
 @gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, q_row, kv_row,
-                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, q_row,
+                  kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     for j in range(n_tiles):
         s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(empty_k.index(s), phase)
         mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], ready_k.index(s), k_smem.index(s))
+        mbarrier.wait(empty_v.index(s), phase)
         mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], ready_v.index(s), v_smem.index(s))
 
@@ -232,7 +237,7 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
                   q_start, n_tiles, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, is_causal: gl.constexpr, ROLE: gl.constexpr):
     """Consumer ROLE (0 or 1): query rows q_start + ROLE·BLOCK_M onwards."""
@@ -263,6 +268,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     sc = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - ROLE))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
+    mbarrier.arrive(empty_k.index(0))
     p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
@@ -275,20 +281,21 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
         mbarrier.arrive(turn.index(1 - ROLE))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
+        mbarrier.arrive(empty_k.index(s))  # K_j read
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
         # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
         mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
         o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-        mbarrier.arrive(empty.index(sp))  # K_{j-1} and V_{j-1} read
+        mbarrier.arrive(empty_v.index(sp))  # V_{j-1} read
         o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(ready_v.index(sl), ((n_tiles - 1) // STAGES) & 1)
     o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-    mbarrier.arrive(empty.index(sl))
+    mbarrier.arrive(empty_v.index(sl))
 
     o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
     gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
@@ -330,23 +337,25 @@ def flash_fwd_gluon_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_k.index(i), count=1)
         mbarrier.init(ready_v.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty_k.index(i), count=2)
+        mbarrier.init(empty_v.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
     gl.warp_specialize([
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
                          q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 0)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, turn, L_ptr, q_row, l_row,
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
                          q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 1)),
-        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty, q_row,
-                         kv_row, n_tiles, BLOCK_N, STAGES)),
+        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v,
+                         q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])
 
 
