@@ -46,6 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
+REGS_3WG = gl.constexpr(160)  # registers per thread of the forward's second and third consumer warpgroups (three of them)
 
 
 @gluon.jit
@@ -208,9 +209,11 @@ def flash_bwd_kv_gluon_kernel(
 
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, q_row,
-                  kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+                  kv_row, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  WARPGROUPS: gl.constexpr):
+    mbarrier.expect(q_bar, WARPGROUPS * q_desc.block_type.nbytes)
+    for r in gl.static_range(WARPGROUPS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + r * BLOCK_M, 0], q_bar, q_smem.index(r))
     for j in range(n_tiles):
         s = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1
@@ -238,9 +241,9 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
 
 @gluon.jit
 def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
-                  q_start, n_tiles, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, is_causal: gl.constexpr, ROLE: gl.constexpr):
-    """Consumer ROLE (0 or 1): query rows q_start + ROLE·BLOCK_M onwards."""
+                  q_start, n_tiles, N_QUERIES, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, is_causal: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored past N_QUERIES)."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -250,7 +253,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_tile = q_smem.slice(ROLE * BLOCK_M, BLOCK_M)
+    q_tile = q_smem.index(ROLE)
     first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
     offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
     qk_scale = scale * LOG2E
@@ -259,14 +262,14 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
-    if ROLE == 1:
+    if ROLE == WARPGROUPS - 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
 
     # key tile 0: S only (there is no P·V before it)
     mbarrier.wait(turn.index(ROLE), 0)
     mbarrier.wait(ready_k.index(0), 0)
     sc = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - ROLE))
+    mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(0))
     p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
@@ -279,7 +282,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
         o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
-        mbarrier.arrive(turn.index(1 - ROLE))
+        mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_j read
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
@@ -297,41 +300,43 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
     mbarrier.arrive(empty_v.index(sl))
 
-    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
-    q_tile.store(o.to(dtype))  # this warpgroup's Q rows are no longer read: they stage O
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row + ROLE * BLOCK_M, 0], q_tile)
-    tma.store_wait(pendings=0)
+    if first < N_QUERIES:  # (the last query tile's rows past N_QUERIES belong to the next head or to none)
+        o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+        q_tile.store(o.to(dtype))  # this warpgroup's Q rows are no longer read: they stage O
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row + ROLE * BLOCK_M, 0], q_tile)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
+    WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (batch·heads, query tiles of 2·BLOCK_M), the longest causal tiles first. Q, O: (B·H·Nq, D)
-    views (Q in 2·BLOCK_M-row blocks, O in BLOCK_M-row blocks); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks;
-    L: contiguous (B·H, Nq) fp32, natural log."""
+    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), the longest causal
+    tiles first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
+    in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log."""
     dtype: gl.constexpr = q_desc.dtype
     batch_head = gl.program_id(0)
     if is_causal:
         tile = gl.num_programs(1) - 1 - gl.program_id(1)
     else:
         tile = gl.program_id(1)
-    q_start = tile * (2 * BLOCK_M)
+    ROWS: gl.constexpr = WARPGROUPS * BLOCK_M
+    q_start = tile * ROWS
     batch = batch_head // N_HEADS
     head = batch_head % N_HEADS
     kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
     l_row = batch_head * N_QUERIES
     q_row = l_row + q_start
     if is_causal:  # top-left: the keys up to the tile's last query
-        n_tiles = gl.minimum(q_start + 2 * BLOCK_M, N_KEYS) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(q_start + ROWS, N_KEYS), BLOCK_N)
     else:
         n_tiles = N_KEYS // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_M, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -339,31 +344,49 @@ def flash_fwd_gluon_kernel(
     ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_k.index(i), count=1)
         mbarrier.init(ready_v.index(i), count=1)
-        mbarrier.init(empty_k.index(i), count=2)
-        mbarrier.init(empty_v.index(i), count=2)
-    for i in gl.static_range(2):
+        mbarrier.init(empty_k.index(i), count=WARPGROUPS)
+        mbarrier.init(empty_v.index(i), count=WARPGROUPS)
+    for i in gl.static_range(WARPGROUPS):
         mbarrier.init(turn.index(i), count=1)
 
-    gl.warp_specialize([
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
-                         q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 0)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
-                         q_start, n_tiles, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, 1)),
-        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v,
-                         q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
-    ], [4, 1], [240, 24])
+    if WARPGROUPS == 2:
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                             WARPGROUPS, 0)),
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                             WARPGROUPS, 1)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
+                             empty_v, q_row, kv_row, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                             WARPGROUPS, 0)),
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                             WARPGROUPS, 1)),
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                             WARPGROUPS, 2)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
+                             empty_v, q_row, kv_row, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+        ], [4, 4, 1], [REGS_3WG, REGS_3WG, 24])
 
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
-# the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, num_warps per warpgroup, STAGES)
-FWD_CONFIGS = {64: (64, 128, 4, 2), 128: (64, 128, 4, 2)}
+# the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
+# 8 or 12), STAGES)
+FWD_CONFIGS = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2)}
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -394,10 +417,10 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
 
 def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:
     """Whether `forward` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, query
-    lengths in whole 2·BLOCK_M tiles and key lengths in whole BLOCK_N tiles."""
+    lengths in whole BLOCK_M tiles and key lengths in whole BLOCK_N tiles."""
     d = q4.shape[-1]
     block_m, block_n, _, _ = config or FWD_CONFIGS.get(d, (1, 1, 0, 0))
-    if q4.shape[2] % (2 * block_m) or k4.shape[2] % block_n or (2 * block_m) % block_n:
+    if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
     return _takes((q4, k4, v4), d, FWD_CONFIGS)
 
@@ -413,9 +436,10 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             _smem_layout(rows, t.shape[-1], t.dtype))
 
 
-# Compiled kernels per launch signature (kernel, dtype, config, causal, the integer arguments, the
-# alignment of the pointer arguments): later launches call the compiled kernel directly, skipping the
-# JIT's argument binder.
+# Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
+# the alignment of the pointer arguments): later launches call the compiled kernel directly, skipping the
+# JIT's argument binder. The signature must hold everything the compiled code bakes in: a kernel compiled
+# for another head dim, called with these descriptors, reads tiles of the wrong size.
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -447,7 +471,7 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
-    key = ("kv", q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
+    key = ("kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
            n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
     _launch(flash_bwd_kv_gluon_kernel, grid, args, constexprs, key, cached)
 
@@ -458,10 +482,14 @@ def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cac
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
-    grid = (batch * heads, n_q // (2 * block_m), 1)
-    args = (_desc(q4, 2 * block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
+    groups = warps // 4
+    if warps not in (8, 12):
+        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups (8 or 12 warps), got {warps} warps")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
+                      num_warps=4)
+    grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
+    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
             heads // kv_heads, n_q, n_k, scale)
-    key = ("fwd", q4.device.index, q4.dtype, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
+    key = ("fwd", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
            n_q, n_k, lse.data_ptr() % 16 == 0)
     _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)

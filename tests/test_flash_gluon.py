@@ -79,13 +79,17 @@ def test_gluon_kv_pass_cached_launch_repeats_bitwise():
         assert torch.equal(x, y)
 
 
-FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
-    "d64": (1, 2, 2, 2048, 2048, 64, torch.bfloat16),
-    "gqa": (2, 8, 2, 1024, 1024, 64, torch.bfloat16),
-    "fp16_fewer_queries": (1, 4, 4, 1024, 2048, 64, torch.float16),
-    "more_queries": (1, 4, 4, 2048, 1024, 64, torch.bfloat16),
-    "one_key_tile": (1, 2, 2, 128, 128, 64, torch.bfloat16),
-    "d128": (1, 2, 2, 2048, 2048, 128, torch.bfloat16),
+FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype, config: None for the default)
+    "d64": (1, 2, 2, 2048, 2048, 64, torch.bfloat16, None),
+    "gqa": (2, 8, 2, 1024, 1024, 64, torch.bfloat16, None),
+    "fp16_fewer_queries": (1, 4, 4, 1024, 2048, 64, torch.float16, None),
+    "more_queries": (1, 4, 4, 2048, 1024, 64, torch.bfloat16, None),
+    "one_key_tile": (1, 2, 2, 128, 128, 64, torch.bfloat16, None),
+    "d128": (1, 2, 2, 2048, 2048, 128, torch.bfloat16, None),
+    # three consumer warpgroups: 192-row query tiles, the last one ragged (2048 and 1024 are not multiples of 192)
+    "three_groups": (1, 2, 2, 2048, 2048, 64, torch.bfloat16, (64, 128, 12, 2)),
+    "three_groups_gqa_fewer_queries": (2, 4, 2, 1024, 2048, 64, torch.bfloat16, (64, 128, 12, 2)),
+    "three_groups_d128": (1, 2, 2, 2048, 1024, 128, torch.bfloat16, (64, 64, 12, 2)),
 }
 
 
@@ -96,11 +100,13 @@ def test_gluon_forward_meets_2x_rule(case, is_causal):
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
 
-    b, h, h_kv, n_q, n_k, d, dtype = FWD_CASES[case]
+    b, h, h_kv, n_q, n_k, d, dtype, config = FWD_CASES[case]
     q = randn_cuda(b, h, n_q, d, seed=80, dtype=dtype)
     k, v = (randn_cuda(b, h_kv, n_k, d, seed=81 + i, dtype=dtype) for i in range(2))
-    assert flash_gluon.fwd_supported(q, k, v), "the case must take the Gluon path"
-    o, lse = flash_forward_triton(q, k, v, is_causal, KernelOptions(gluon_fwd=True))
+    assert flash_gluon.fwd_supported(q, k, v, config), "the case must take the Gluon path"
+    opts = KernelOptions(gluon_fwd=True) if config is None else \
+        KernelOptions(gluon_fwd=True, autotune=False, configs=(("fwd", config),))
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=h != h_kv)
@@ -118,7 +124,7 @@ def test_gluon_forward_meets_2x_rule(case, is_causal):
 
 
 def test_gluon_forward_declines_what_it_cannot_tile():
-    """Query lengths not in 128-row tiles, key lengths not in key tiles, other head dims, fp32: Triton."""
+    """Query lengths not in 64-row tiles, key lengths not in key tiles, other head dims, fp32: Triton."""
     from cs336_systems import flash_gluon
 
     q, k, v = (randn_cuda(1, 2, 1024, 64, seed=90 + i, dtype=torch.bfloat16) for i in range(3))
@@ -142,3 +148,18 @@ def test_gluon_forward_cached_launch_repeats_bitwise():
     assert flash_gluon.launch_cache_size() == cached
     for x, y in zip(first, again):
         assert torch.equal(x, y)
+
+
+def test_gluon_launch_cache_keys_on_the_head_dim():
+    """Same shape and config at two head dims: each call runs the kernel compiled for its own (a cache keyed
+    without the head dim ran the d 64 kernel on d 128 tensors in the session-12 sweep)."""
+    from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
+
+    opts = KernelOptions(autotune=False, gluon_fwd=True, configs=(("fwd", (64, 128, 8, 2)),))
+    plain = KernelOptions(autotune=False)
+    for _ in range(2):  # the second round runs from the launch cache
+        for d in (64, 128):
+            q, k, v = (randn_cuda(1, 2, 1024, d, seed=100 + i, dtype=torch.bfloat16) for i in range(3))
+            o, lse = flash_forward_triton(q, k, v, True, opts)
+            ref, ref_lse = flash_forward_triton(q, k, v, True, plain)
+            assert rel_err(o, ref) < 1e-2 and (lse - ref_lse).abs().max().item() < 1e-2, f"d {d}"

@@ -100,11 +100,13 @@ PLANS = {
     # commit 34c5a8e) timed the single pass with atomic dQ in Gluon (design bwd/atomic-tma-gluon), run 12
     # (plan single_pass of commit 1c8ee71) its warp-specialized build; both lost and were removed likewise.
     # run 13: the forward in Gluon (flash_gluon.flash_fwd_gluon_kernel; configs (BLOCK_M rows per consumer
-    # warpgroup, BLOCK_N keys, warps per warpgroup, STAGES)) against the shipped Triton forward
+    # warpgroup, BLOCK_N keys, consumer warps: 8 or 12 for 2 or 3 warpgroups, STAGES)) against the shipped
+    # Triton forward. Run 13a (commit 73c5a65) had two warpgroups only, written (64, BLOCK_N, 4, STAGES).
     "gluon_fwd": dict(
         shape=SHAPE,
         fwd={"fwd/tma": [(128, 64, 4, 3), (128, 128, 4, 3)],
-             "fwd/tma-gluon": [(64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)]},
+             "fwd/tma-gluon": [(64, 128, 8, 2), (64, 128, 12, 2), (64, 128, 12, 3), (64, 64, 12, 3),
+                               (64, 64, 12, 4)]},
         kv={},
         dq=[],
         dq_fixed=(128, 64, 8, 3),
@@ -112,7 +114,7 @@ PLANS = {
     "gluon_fwd128": dict(
         shape=(1, 1, 65536, 128),
         fwd={"fwd/tma": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 8, 2)],
-             "fwd/tma-gluon": [(64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2)]},
+             "fwd/tma-gluon": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 12, 2), (64, 64, 12, 3)]},
         kv={},
         dq=[],
         dq_fixed=(128, 64, 8, 3),
