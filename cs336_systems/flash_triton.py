@@ -754,8 +754,11 @@ class KernelOptions:
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
     gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
                                      # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
-    gluon_fwd: bool = False          # the forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: producer warp,
-                                     # two consumer warpgroups taking turns) where it applies
+    # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
+    # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,
+    # contiguous, whole 64-row tiles) and the call is long enough for its launch (GLUON_FWD_MIN_WORK), True
+    # wherever it applies (with `configs`' "fwd" entry as its config when not autotuning), False never.
+    gluon_fwd: bool | None = None
     # Rows per chunk where a pass splits its reduction over a third grid axis (keys for the forward and
     # the dQ pass, queries for the dK/dV pass): None chooses per launch (`split_rows`; only short grids
     # split), 0 never splits, a positive multiple of SPLIT_UNIT splits every pass of the two-pass design.
@@ -774,6 +777,11 @@ class KernelOptions:
 
 
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
+# batch·heads·Nq·Nk from which the forward runs in Gluon by default (KernelOptions.gluon_fwd=None): its launch
+# (host-side TMA descriptors, the JIT's runner) costs more host time than the Triton kernel's cached C launch,
+# so short calls, which are bound by host time, keep the Triton kernel (about 0.25 ms of kernel time and up
+# at d 64, causal, on the H200)
+GLUON_FWD_MIN_WORK = 1 << 30
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
 DEFAULT_OPTIONS = KernelOptions()
 ATOMIC_OPTIONS = KernelOptions(deterministic=False)
@@ -1064,8 +1072,9 @@ def flash_forward_triton(
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
-    if opts.gluon_fwd and not chunk and _tma_wanted(opts):
-        gluon_config = None if opts.autotune else dict(opts.configs).get("fwd")
+    gluon = batch * heads * n_q * n_k >= GLUON_FWD_MIN_WORK if opts.gluon_fwd is None else opts.gluon_fwd
+    if gluon and not chunk and _tma_wanted(opts):
+        gluon_config = dict(opts.configs).get("fwd") if opts.gluon_fwd and not opts.autotune else None
         if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
             flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, d ** -0.5 if scale is None else scale, gluon_config,
                                 cached=not launch_hooks_installed())
