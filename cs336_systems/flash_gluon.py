@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
@@ -437,26 +438,47 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
-# the alignment of the pointer arguments): later launches call the compiled kernel directly, skipping the
-# JIT's argument binder. The signature must hold everything the compiled code bakes in: a kernel compiled
+# the alignment of the pointer arguments): later launches skip the JIT's argument binder and Triton's
+# per-launch Python (the runner closure, launch metadata, scratch allocation) and call the compiled
+# kernel's C launch directly with the current stream; its wrapper turns the host-side TensorDescriptors
+# into TMA descriptors. The signature must hold everything the compiled code bakes in: a kernel compiled
 # for another head dim, called with these descriptors, reads tiles of the wrong size.
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, tuple] = {}
 
 
 def launch_cache_size() -> int:
     return len(_COMPILED)
 
 
+def _cache_entry(compiled, grid: tuple) -> tuple:
+    """(C launch, CUfunction, packed metadata, cooperative, PDL, stream getter) of a compiled kernel, or
+    (None, its runner) where Triton's launcher does not expose them or the kernel needs scratch memory."""
+    launcher = compiled.run
+    pieces = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if not all(hasattr(launcher, p) for p in pieces) or launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None, compiled
+    compiled[grid]  # loads the kernel (compiled.function)
+    return (launcher.launch, compiled.function, compiled.packed_metadata, launcher.launch_cooperative_grid,
+            launcher.launch_pdl, triton.runtime.driver.active.get_current_stream)
+
+
 def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cached: bool) -> None:
     """Launch through the JIT the first time a signature is seen (or every time if not cached), then
-    through the compiled kernel."""
-    compiled = _COMPILED.get(key) if cached else None
-    if compiled is None:
+    through the compiled kernel's C launch."""
+    entry = _COMPILED.get(key) if cached else None
+    if entry is None:
         compiled = kernel[grid](*args, **constexprs)
         if cached:
-            _COMPILED[key] = compiled
+            _COMPILED[key] = _cache_entry(compiled, grid)
         return
-    compiled[grid](*args, *constexprs.values())
+    if entry[0] is None:
+        entry[1][grid](*args, *constexprs.values())
+        return
+    launch, function, metadata, cooperative, pdl, current_stream = entry
+    # grid, stream, CUfunction, cooperative, PDL, global and profile scratch, packed metadata, the hooks'
+    # launch metadata, enter and exit hooks, then the kernel's arguments and constexprs
+    launch(grid[0], grid[1], grid[2], current_stream(key[1]), function, cooperative, pdl, None, None, metadata,
+           None, None, None, *args, *constexprs.values())
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
