@@ -1,8 +1,16 @@
-"""The dK/dV pass of the deterministic backward in Gluon, for Hopper (sm_90a).
+"""Kernels in Gluon for Hopper (sm_90a): the forward (shipped for large calls) and the dK/dV pass (opt-in).
 
-Same work as `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every query tile and
-every query head of its GQA group that sees it), with the wgmma schedule written out instead of left
-to Triton's pipeliner, which waits for every non-accumulating wgmma as soon as it is issued:
+The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule: a producer warp, two or
+three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
+softmax of one key tile under the previous tile's P·V (the schedule and its barriers are described above
+the kernel). `flash_triton` runs it by default where `fwd_supported` holds and the call is large
+(`flash_triton.GLUON_FWD_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
+the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
+
+The dK/dV pass (`flash_bwd_kv_gluon_kernel`, `kv_pass`) does the work of
+`flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every query tile and every query head
+of its GQA group that sees it), with the wgmma schedule written out instead of left to Triton's
+pipeliner, which waits for every non-accumulating wgmma as soon as it is issued:
 
     per query tile t (stage s of a TMA ring of Q and dO tiles):
         issue  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ                      (both async)
@@ -16,21 +24,22 @@ to Triton's pipeliner, which waits for every non-accumulating wgmma as soon as i
 
 so the exponentials run while the tensor cores work on dPᵀ, and dSᵀ while they work on dV. One
 warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory.
-
 Opt-in (`KernelOptions(gluon_kv=True)`): on the H200 it ties the Triton pass at d 64 and gains ~2% of
 the backward at d 128, long sequences; with one head at 4096-16384 it loses (its programs of 64 keys
 and 32 queries take more, smaller steps than the Triton pass's when the grid is under one wave).
-Launches after the first of a signature call the compiled kernel directly (`kv_pass`).
 
-Scope (the caller checks `supported` and otherwise runs the Triton kernel): CUDA sm_90, bf16/fp16,
-head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide into the tiles.
-Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
+Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
+Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
+sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
+into the tiles. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
-Variants measured slower and removed (NOTES.md, sessions 8 and 9): K and V as register operands of Sᵀ
-and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
-warp-specialized kernel, a producer warp and two consumer warpgroups of 64 keys (commit 768d525).
+Variants measured slower and removed (NOTES.md, sessions 8, 9 and 11): K and V as register operands of
+Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
+warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
+the single-pass backward with dQ by TMA bulk reductions, in two builds (34c5a8e, 1c8ee71).
 
-Layout, top-down: the jit helpers and the kernel, then `supported` and the host launcher `kv_pass`.
+Layout, top-down: the dK/dV pass (helpers, kernel), the forward (producer, softmax step, consumer,
+kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass` and `forward`.
 """
 
 from __future__ import annotations
@@ -190,20 +199,22 @@ def flash_bwd_kv_gluon_kernel(
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
 # ----------------------------------------------------------------------------------------------
 #
-# One program per 2·BLOCK_M query rows: a one-warp producer loads Q once and streams K and V tiles
-# of BLOCK_N keys through a TMA ring; two consumer warpgroups own BLOCK_M query rows each and share
-# every K/V tile. Per key tile j a consumer
-#     waits for its turn, issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}, hands the turn over,
-#     waits for S_j (P_{j-1}·V_{j-1} may still run), computes P_j = exp2(S_j·scale·log2 e - m_j),
-#     waits for P_{j-1}·V_{j-1}, frees stage j-1 and rescales O by exp2(m_{j-1} - m_j),
-# so its exponentials run under its own P·V matmul and, through the turns (ping-pong), under the
-# other warpgroup's matmuls: the two warpgroups issue their matmuls alternately instead of in step.
+# One program per WARPGROUPS·BLOCK_M query rows: a one-warp producer loads Q once and streams K and V
+# tiles of BLOCK_N keys through a TMA ring; WARPGROUPS (2 or 3) consumer warpgroups own BLOCK_M query rows
+# each and share every K/V tile. Per key tile j a consumer
+#     issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in its turn, hands the turn to the next warpgroup,
+#     waits for S_j (P_{j-1}·V_{j-1} may still run) and frees K_j, computes P_j = exp2(S_j·scale·log2 e - m_j),
+#     waits for its next turn, then for P_{j-1}·V_{j-1}, frees V_{j-1} and rescales O by exp2(m_{j-1} - m_j),
+# so its exponentials run under its own P·V matmul and, through the turns (ping-pong), under the other
+# warpgroups' matmuls: the warpgroups issue their matmuls one after another instead of in step. (At d 64
+# the matmuls of one warpgroup take about as long as its softmax, so three warpgroups are needed to keep
+# the tensor cores busy; at d 128 two suffice.)
 #
 # Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
 #   q_bar      producer -> consumers: Q            ready_k[s], ready_v[s]  producer -> consumers: K, V in stage s
-#   empty_k[s], empty_v[s]  consumers (2) -> producer: K (after S), V (after P·V) of stage s read by both
-#   turn[r]    consumer 1 - r -> consumer r: r may issue its matmuls
-# K and V are released apart: a consumer takes the next turn before its wait for P_{j-1}·V_{j-1} (below),
+#   empty_k[s], empty_v[s]  consumers (all) -> producer: K (after S), V (after P·V) of stage s read
+#   turn[r]    consumer r - 1 (mod WARPGROUPS) -> consumer r: r may issue its matmuls
+# K and V are released apart: a consumer takes its next turn before its wait for P_{j-1}·V_{j-1} (below),
 # so with one barrier per stage and two stages the producer's wait for stage j-2 and the turns would
 # wait on each other.
 
