@@ -237,6 +237,32 @@ def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monke
         ft.flash_forward_triton(q, k, v, True)
 
 
+@pytest.mark.parametrize("opts,min_work,gluon_config", [
+    ({}, 1 << 30, "triton"),                                   # default: only calls of 2^30+ work
+    ({}, 1, None),                                             # ... which this one is, with the threshold at 1
+    ({"gluon_fwd": False}, 1, "triton"),
+    ({"gluon_fwd": True}, 1 << 30, None),                      # wherever it applies, its own config
+    ({"gluon_fwd": True, "autotune": False, "configs": (("fwd", (64, 128, 12, 3)),)}, 1 << 30, (64, 128, 12, 3)),
+    # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
+    ({"autotune": False, "configs": (("fwd", (128, 64, 4, 3)),)}, 1, None),
+], ids=["default-small", "default-large", "off", "on", "on-with-config", "auto-keeps-triton-config"])
+def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, gluon_config):
+    """Which forward `flash_forward_triton` launches (the launches recorded, not run): the Gluon kernel
+    where KernelOptions.gluon_fwd asks for it and it applies, with its config; else the Triton kernel."""
+    import cs336_systems.flash_triton as ft
+
+    calls = []
+    monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
+    monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
+    monkeypatch.setattr(ft, "GLUON_FWD_MIN_WORK", min_work)
+    monkeypatch.setattr(ft.flash_gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
+    monkeypatch.setattr(ft.flash_gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
+    monkeypatch.setattr(ft, "_fwd_launch", lambda *a, **kw: calls.append(("triton", None)))
+    q = torch.zeros(1, 2, 128, 64)
+    ft.flash_forward_triton(q, q, q, True, ft.KernelOptions(**opts))
+    assert calls == ([("triton", None)] if gluon_config == "triton" else [("gluon", gluon_config)])
+
+
 def test_flash_triton_rejects_too_large_head_dim():
     x = torch.randn(1, 8, 512, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):
