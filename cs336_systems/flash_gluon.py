@@ -401,6 +401,7 @@ CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GLUON_DTYPES = tuple(_GL_DTYPES)  # the input dtypes the Gluon kernels take
 
 
 @functools.cache
@@ -446,6 +447,32 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     flat = t.view(-1, t.shape[-1])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
                             _smem_layout(rows, t.shape[-1], t.dtype))
+
+
+def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
+    """(kernel, positional arguments, constexprs, warps per CTA, config) of a launch of kernel `name`
+    ("flash_fwd_gluon" or "flash_bwd_kv_gluon") with its default config on contiguous (1, heads, seq, d)
+    tensors; the tensors are CPU placeholders, so that the kernel can be compiled without a GPU
+    (`cs336-bench resources`)."""
+    x = torch.empty(1, heads, seq, d, dtype=dtype)
+    lse = torch.empty(heads, seq, dtype=torch.float32)
+    if name == "flash_fwd_gluon":
+        block_m, block_n, warps, stages = config = FWD_CONFIGS[d]
+        args = (_desc(x, block_m), _desc(x, block_n), _desc(x, block_n), _desc(x, block_m), lse, heads, 1, seq, seq,
+                d ** -0.5)
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=warps // 4,
+                          is_causal=causal, num_warps=4)
+        return flash_fwd_gluon_kernel, args, constexprs, warps + 1, config  # + the producer warp
+    if name == "flash_bwd_kv_gluon":
+        block_m, block_n, warps, stages = config = CONFIGS[d]
+        args = (_desc(x, block_m), _desc(x, block_n), _desc(x, block_n), _desc(x, block_m), _desc(x, block_n),
+                _desc(x, block_n), lse, lse, heads, 1, seq, seq, d ** -0.5)
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=causal, num_warps=warps)
+        return flash_bwd_kv_gluon_kernel, args, constexprs, warps, config
+    raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
+
+
+GLUON_KERNELS = ("flash_fwd_gluon", "flash_bwd_kv_gluon")
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,

@@ -1,12 +1,17 @@
-"""resources: registers, spills and shared memory of our Triton kernels, per autotune config, without a GPU.
+"""resources: registers, spills, shared memory and ptxas's wgmma warnings of our kernels, without a GPU.
 
 Each kernel is compiled for a given CUDA target (default sm_90a, the H100/H200) exactly as a launch
 would compile it: Triton's own argument specialization is applied to the arguments a launch on
 contiguous (1, heads, seq, d) tensors would pass (`KernelSpec.example_launch`; unit strides become
-constants, 16-divisible ints and aligned pointers get divisibility hints). Every kernel of
-`cs336_systems.flash_triton.KERNELS` is compiled unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One
-row per (kernel, config): registers per thread, spill bytes, shared memory, and the warps per SM
-the register file allows (65,536 registers per SM). Nothing is timed; rows say `gpu: none`.
+constants, 16-divisible ints and aligned pointers get divisibility hints), with TMA descriptors where
+the target has them (sm_90 and newer, as the launcher does on such a GPU; `--no-tma`: block pointers).
+Every kernel of `cs336_systems.flash_triton.KERNELS` (per autotune config) and of
+`cs336_systems.flash_gluon.GLUON_KERNELS` (its default config per head dim; sm_90 only) is compiled
+unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One row per (kernel,
+config): registers per thread, spill bytes, shared memory, the warps per SM the register file allows
+(65,536 registers per SM), and ptxas's C75xx warnings, each of which means every wgmma of the kernel
+waits for the one before (serialized: a large slowdown that the PTX does not show). Nothing is timed;
+rows say `gpu: none`.
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--seq", full=16384, smoke=64, help="sequence length the arguments describe", type=positive_int)
     add_sized(p, "--n-heads", full=16, smoke=2, help="heads the arguments describe", type=positive_int)
     p.add_argument("--kernels", nargs="+", default=None, metavar="KERNEL",
-                   help="kernels to compile, names of cs336_systems.flash_triton.KERNELS (default: all)")
+                   help="kernels to compile, names of cs336_systems.flash_triton.KERNELS or "
+                        "cs336_systems.flash_gluon.GLUON_KERNELS (default: all that the target runs)")
+    p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
+                   help="TMA descriptors in the Triton kernels (default: on for sm_90 and newer, as launched there)")
     p.add_argument("--arch", type=int, choices=options.CUDA_ARCHES, default=90,
                    help="CUDA compute capability (90 = sm_90a)")
     add_sized(p, "--configs", full="all", smoke="first", choices=["all", "first"],
@@ -57,8 +65,12 @@ def check(args: argparse.Namespace) -> None:
     if flash_triton.INTERPRET:
         raise ValueError("resources compiles the real kernels: run it without TRITON_INTERPRET=1 "
                          "(cs336_systems.flash_triton was imported in interpreter mode)")
-    options.choices_check("--kernels", args.kernels or [], flash_triton.KERNELS)
+    from cs336_systems.flash_gluon import GLUON_KERNELS
+
+    options.choices_check("--kernels", args.kernels or [], [*flash_triton.KERNELS, *GLUON_KERNELS])
     options.check_kernel_head_dims("--d", args.d)
+    if args.arch != 90 and set(args.kernels or []) & set(GLUON_KERNELS):
+        raise ValueError(f"the Gluon kernels are written for sm_90 (Hopper); --arch {args.arch} cannot run them")
 
 
 def heuristic_constexprs(autotuned, args: list, constexprs: dict) -> dict:
@@ -74,20 +86,27 @@ def heuristic_constexprs(autotuned, args: list, constexprs: dict) -> dict:
     return derived
 
 
-def compile_config(fn, args: list, constexprs: dict, num_warps: int, num_stages: int, arch: int):
-    """Compile like JITFunction.run does (same binder and specialization), for `arch`, without a device."""
+def compile_config(fn, args: list, constexprs: dict, num_warps: int | None, num_stages: int | None, arch: int):
+    """Compile like JITFunction.run does (same binder and specialization), for `arch`, without a device.
+    A Gluon kernel (num_warps among its constexprs, no stages) goes through Gluon's AST source."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # Triton 3.6's location
     from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+    kwargs = dict(constexprs)
+    if num_warps is not None:
+        kwargs["num_warps"] = num_warps
+    if num_stages is not None:
+        kwargs["num_stages"] = num_stages
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, consts, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=target, options=options.__dict__)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, signature, consts, attrs), target=target, options=options.__dict__)
 
 
 def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
@@ -114,6 +133,8 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
         "spill_store_bytes": grab(r"(\d+) bytes spill stores"),
         "spill_load_bytes": grab(r"(\d+) bytes spill loads"),
         "stack_bytes": grab(r"(\d+) bytes stack frame"),
+        # e.g. C7511-C7515, "wgmma.mma_async instructions are serialized due to ..."
+        "ptxas_warnings": " ".join(sorted(set(re.findall(r"\((C75\d\d)\)", log)))),
     }
 
 
@@ -126,65 +147,102 @@ def warps_per_sm(registers: int, num_warps: int) -> int:
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
     from triton.backends.nvidia.compiler import sm_arch_from_capability
-    from triton.compiler.errors import CompilationError
 
     from cs336_systems.bench.timing import torch_dtype
+    from cs336_systems.flash_gluon import GLUON_KERNELS
     from cs336_systems.flash_triton import KERNELS
 
+    tma = args.arch >= 90 if args.tma is None else args.tma
+    target = sm_arch_from_capability(args.arch)
+    names = args.kernels or [*KERNELS, *(GLUON_KERNELS if args.arch == 90 else ())]
     for dtype_name in args.dtype:
         for d in args.d:
-            for name in args.kernels or list(KERNELS):
+            for name in names:
+                base = dict(impl="flash_triton", kernel=name, mode=name, dtype=dtype_name, batch=1,
+                            n_heads=args.n_heads, seq_len=args.seq, d_head=d, is_causal=args.causal, target=target)
+                if name in GLUON_KERNELS:
+                    _gluon_row(rec, base, name, torch_dtype(dtype_name), args)
+                    continue
                 spec = KERNELS[name]
                 for config in spec.configs[:1] if args.configs == "first" else spec.configs:
                     tiles = (config.kwargs["Q_TILE_SIZE"], config.kwargs["K_TILE_SIZE"])
                     fields = dict(
-                        impl="flash_triton", kernel=name, mode=name, dtype=dtype_name, batch=1,
-                        n_heads=args.n_heads, seq_len=args.seq, d_head=d, is_causal=args.causal,
-                        variant=f"Q{tiles[0]}xK{tiles[1]}/w{config.num_warps}/s{config.num_stages}",
+                        base, variant=f"Q{tiles[0]}xK{tiles[1]}/w{config.num_warps}/s{config.num_stages}",
                         q_tile=tiles[0], k_tile=tiles[1], num_warps=config.num_warps,
-                        num_stages=config.num_stages, target=sm_arch_from_capability(args.arch),
+                        num_stages=config.num_stages, use_tma=tma,
                     )
                     if rec.is_done(fields):
                         continue
                     launch, constexprs = spec.example_launch(torch_dtype(dtype_name), args.n_heads, args.seq, d,
                                                              args.causal)
-                    constexprs = {**constexprs, **config.kwargs}
+                    constexprs = {**constexprs, **config.kwargs, "USE_TMA": tma}
                     constexprs.update(heuristic_constexprs(spec.autotuned, launch, constexprs))
-                    try:
-                        compiled = compile_config(spec.jit, launch, constexprs, config.num_warps,
-                                                  config.num_stages, args.arch)
-                        usage = ptxas_usage(compiled.asm["ptx"], args.arch)
-                    except (CompilationError, subprocess.CalledProcessError, RuntimeError) as e:
-                        detail = getattr(e, "stderr", None) or str(e)
-                        rec.skip(fields, f"error: {type(e).__name__}: {detail[-300:]}")
-                        continue
-                    rec.write({
-                        **rec.base_row(fields), **usage,
-                        "shared_mem_bytes": compiled.metadata.shared,
-                        "warps_per_sm_by_registers": warps_per_sm(usage["registers"], config.num_warps),
-                        "wgmma": "wgmma" in compiled.asm["ptx"],
-                        "status": "ok",
-                    })
+                    _compile_row(rec, fields, spec.jit, launch, constexprs, config.num_warps, config.num_stages,
+                                 config.num_warps, args.arch)
     return 0
+
+
+def _gluon_row(rec: Recorder, base: Row, name: str, dtype, args: argparse.Namespace) -> None:
+    """The row of a Gluon kernel at its default config for this head dim (or its status if it has none)."""
+    from cs336_systems import flash_gluon
+
+    if base["d_head"] not in flash_gluon.FWD_CONFIGS or dtype not in flash_gluon.GLUON_DTYPES:
+        dtypes = ", ".join(str(t).removeprefix("torch.") for t in flash_gluon.GLUON_DTYPES)
+        rec.skip({**base, "variant": "default", "use_tma": True},
+                 f"unsupported: {name} runs head dims {sorted(flash_gluon.FWD_CONFIGS)} in {dtypes}")
+        return
+    kernel, launch, constexprs, warps, config = flash_gluon.example_launch(name, dtype, args.n_heads, args.seq,
+                                                                           base["d_head"], args.causal)
+    block_m, block_n, cfg_warps, stages = config
+    fields = dict(base, variant=f"Q{block_m}xK{block_n}/w{cfg_warps}/s{stages}", q_tile=block_m, k_tile=block_n,
+                  num_warps=warps, num_stages=stages, use_tma=True)
+    if not rec.is_done(fields):
+        _compile_row(rec, fields, kernel, list(launch), constexprs, None, None, warps, args.arch)
+
+
+def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict, num_warps: int | None,
+                 num_stages: int | None, warps_per_cta: int, arch: int) -> None:
+    """Compile one kernel configuration and record ptxas's report (or why it did not compile)."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        compiled = compile_config(fn, launch, constexprs, num_warps, num_stages, arch)
+        usage = ptxas_usage(compiled.asm["ptx"], arch)
+    except (CompilationError, subprocess.CalledProcessError, RuntimeError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        rec.skip(fields, f"error: {type(e).__name__}: {detail[-300:]}")
+        return
+    rec.write({
+        **rec.base_row(fields), **usage,
+        "shared_mem_bytes": compiled.metadata.shared,
+        "warps_per_sm_by_registers": warps_per_sm(usage["registers"], warps_per_cta),
+        "wgmma": "wgmma" in compiled.asm["ptx"],
+        "status": "ok",
+    })
 
 
 def render(rows: list[Row], out: Output) -> list[str]:
     rows = report.latest(rows)
     sections = []
     fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
-    headers = ["kernel", "config (tiles/warps/stages)", "registers", "spill store/load B", "stack B",
-               "shared mem KiB", "warps/SM (registers)", "wgmma"]
+    headers = ["kernel", "config (tiles/warps/stages)", "TMA", "registers", "spill store/load B", "stack B",
+               "shared mem KiB", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized"]
+
+    def tma(r: Row) -> str:  # rows before the TMA option compiled the block-pointer path
+        return {True: "yes", False: "no"}.get(r.get("use_tma"), "no (not recorded)")
+
     for key, group in report.group_by(rows, fields):
         body = [
-            [r["mode"], r["variant"], r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+            [r["mode"], r["variant"], tma(r), r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
              r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"],
-             r["wgmma"]]
-            if r["status"] == "ok" else [r["mode"], r["variant"], r["status"], "", "", "", "", ""]
+             r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded")]
+            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", ""]
             for r in group
         ]
         sections.append(
             f"## ptxas resources, {report.subtitle(fields, key)}\n\n"
-            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers\n\n"
+            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers; a C75xx code "
+            "in the last column means ptxas serializes every wgmma of that kernel\n\n"
             + report.markdown(headers, body)
         )
     return sections

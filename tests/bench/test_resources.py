@@ -15,20 +15,53 @@ from cs336_systems.bench import resources as resources_bench
 from .helpers import rows_of
 
 
-def test_smoke_resources_compiles_every_kernel_for_sm90(tmp_path):
-    """In a fresh process without TRITON_INTERPRET (this one runs the kernels through the interpreter)."""
+def _resources(tmp_path, *argv) -> subprocess.CompletedProcess:
+    """`cs336-bench resources` in a fresh process without TRITON_INTERPRET (this one runs the kernels through
+    the interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "cs336_systems.bench.cli", "resources", "--smoke", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "cs336_systems.bench.cli", "resources", *argv, "--out", str(tmp_path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_smoke_resources_compiles_every_kernel_for_sm90(tmp_path):
+    from cs336_systems.flash_gluon import GLUON_KERNELS
+
+    done = _resources(tmp_path, "--smoke")
     assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"
     rows = rows_of(tmp_path, "resources")
-    assert sorted(r["kernel"] for r in rows) == sorted(flash_triton.KERNELS), rows
+    assert sorted(r["kernel"] for r in rows) == sorted([*flash_triton.KERNELS, *GLUON_KERNELS]), rows
     for r in rows:
-        assert r["status"] == "ok" and r["target"] == "sm_90a" and r["gpu"] == "none" and r["smoke"], r
+        assert r["target"] == "sm_90a" and r["gpu"] == "none" and r["smoke"] and r["use_tma"] is True, r
+        if r["kernel"] in GLUON_KERNELS:  # the smoke head dim, 16, is not one of theirs
+            assert r["status"].startswith("unsupported: ") and "head dims [64, 128]" in r["status"], r
+            continue
+        assert r["status"] == "ok", r
         assert 0 < r["registers"] <= 255 and r["shared_mem_bytes"] > 0, r
         assert r["wgmma"] is True, f"{r['kernel']} {r['variant']}: bf16 on sm_90a should use wgmma"
+        assert isinstance(r["ptxas_warnings"], str), r
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "resources"]) == 0
     assert "| flash_fwd | " in (tmp_path / "resources" / "table.md").read_text()
+
+
+def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
+    """The Gluon kernels at their shipped configs: compiled for sm_90a, and ptxas keeps their wgmmas
+    asynchronous (no C75xx warning: a warning there means every wgmma waits for the one before)."""
+    from cs336_systems.flash_gluon import GLUON_KERNELS
+
+    done = _resources(tmp_path, "--kernels", *GLUON_KERNELS, "--d", "64", "128", "--seq", "1024", "--n-heads", "2")
+    assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"
+    rows = rows_of(tmp_path, "resources")
+    assert sorted((r["kernel"], r["d_head"]) for r in rows) == sorted(
+        (k, d) for k in GLUON_KERNELS for d in (64, 128)), rows
+    for r in rows:
+        assert r["status"] == "ok" and r["wgmma"] is True, r
+        assert r["ptxas_warnings"] == "" and r["spill_store_bytes"] == 0, r
+
+
+def test_resources_refuses_gluon_kernels_off_sm90(tmp_path):
+    done = _resources(tmp_path, "--kernels", "flash_fwd_gluon", "--arch", "80")
+    assert done.returncode == 2 and "written for sm_90" in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_resources_refuses_interpreted_kernels(tmp_path, capsys):
