@@ -9,9 +9,10 @@ Every kernel of `cs336_systems.flash_triton.KERNELS` (per autotune config) and o
 `cs336_systems.flash_gluon.GLUON_KERNELS` (its default config per head dim; sm_90 only) is compiled
 unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One row per (kernel,
 config): registers per thread, spill bytes, shared memory, the warps per SM the register file allows
-(65,536 registers per SM), and ptxas's C75xx warnings, each of which means every wgmma of the kernel
-waits for the one before (serialized: a large slowdown that the PTX does not show). Nothing is timed;
-rows say `gpu: none`.
+(65,536 registers per SM), and ptxas's C75xx warnings ("Potential Performance Loss: wgmma.mma_async
+instructions are serialized"), which the PTX does not show: each wgmma then waits for the one before.
+Often a large slowdown (NOTES.md, sessions 7 and 9), not always (the forward's 128×128/4/3 config is
+among the fastest at d 64 with one). Nothing is timed; rows say `gpu: none`.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def render(rows: list[Row], out: Output) -> list[str]:
         sections.append(
             f"## ptxas resources, {report.subtitle(fields, key)}\n\n"
             "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers; a C75xx code "
-            "in the last column means ptxas serializes every wgmma of that kernel\n\n"
+            "in the last column means ptxas serializes the kernel's wgmmas (a potential, often large, loss)\n\n"
             + report.markdown(headers, body)
         )
     return sections
