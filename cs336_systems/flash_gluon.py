@@ -56,7 +56,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-REGS_3WG = gl.constexpr(160)  # registers per thread of the forward's second and third consumer warpgroups (three of them)
+# registers per thread of the forward's second and third consumer warpgroups (when it runs three)
+REGS_3WG = gl.constexpr(160)
 
 
 @gluon.jit
@@ -450,29 +451,25 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
-    """(kernel, positional arguments, constexprs, warps per CTA, config) of a launch of kernel `name`
-    ("flash_fwd_gluon" or "flash_bwd_kv_gluon") with its default config on contiguous (1, heads, seq, d)
-    tensors; the tensors are CPU placeholders, so that the kernel can be compiled without a GPU
-    (`cs336-bench resources`)."""
+    """(kernel, positional arguments, constexprs, warps per CTA, config) of a launch of kernel `name` (a key
+    of GLUON_KERNELS) with its default config on contiguous (1, heads, seq, d) tensors, built as `forward` and
+    `kv_pass` build theirs; the tensors are CPU placeholders, so that the kernel can be compiled without a
+    GPU (`cs336-bench resources`)."""
     x = torch.empty(1, heads, seq, d, dtype=dtype)
     lse = torch.empty(heads, seq, dtype=torch.float32)
     if name == "flash_fwd_gluon":
-        block_m, block_n, warps, stages = config = FWD_CONFIGS[d]
-        args = (_desc(x, block_m), _desc(x, block_n), _desc(x, block_n), _desc(x, block_m), lse, heads, 1, seq, seq,
-                d ** -0.5)
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=warps // 4,
-                          is_causal=causal, num_warps=4)
-        return flash_fwd_gluon_kernel, args, constexprs, warps + 1, config  # + the producer warp
+        config = FWD_CONFIGS[d]
+        _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
+        return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
     if name == "flash_bwd_kv_gluon":
-        block_m, block_n, warps, stages = config = CONFIGS[d]
-        args = (_desc(x, block_m), _desc(x, block_n), _desc(x, block_n), _desc(x, block_m), _desc(x, block_n),
-                _desc(x, block_n), lse, lse, heads, 1, seq, seq, d ** -0.5)
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=causal, num_warps=warps)
-        return flash_bwd_kv_gluon_kernel, args, constexprs, warps, config
+        config = CONFIGS[d]
+        _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config)
+        return flash_bwd_kv_gluon_kernel, args, constexprs, constexprs["num_warps"], config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
-GLUON_KERNELS = ("flash_fwd_gluon", "flash_bwd_kv_gluon")
+# each Gluon kernel's configs by head dim (the head dims it runs)
+GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
@@ -519,11 +516,8 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
            None, None, None, *args, *constexprs.values())
 
 
-def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True) -> None:
-    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
-    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
-    Triton's own launch path calls) launches through the JIT every time."""
+def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config):
+    """(grid, arguments, constexprs, cache key) of a dK/dV-pass launch."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or CONFIGS[d]
@@ -533,12 +527,20 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
     key = ("kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
            n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+    return grid, args, constexprs, key
+
+
+def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
+            cached: bool = True) -> None:
+    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
+    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
+    Triton's own launch path calls) launches through the JIT every time."""
+    grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config)
     _launch(flash_bwd_kv_gluon_kernel, grid, args, constexprs, key, cached)
 
 
-def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True) -> None:
-    """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
-    tensors `fwd_supported` accepted with the same config."""
+def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config):
+    """(grid, arguments, constexprs, cache key) of a forward launch."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
@@ -552,4 +554,11 @@ def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cac
             heads // kv_heads, n_q, n_k, scale)
     key = ("fwd", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
            n_q, n_k, lse.data_ptr() % 16 == 0)
+    return grid, args, constexprs, key
+
+
+def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True) -> None:
+    """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
+    tensors `fwd_supported` accepted with the same config."""
+    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
     _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)

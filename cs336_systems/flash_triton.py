@@ -1071,12 +1071,13 @@ def flash_forward_triton(
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
+    scale = d ** -0.5 if scale is None else scale
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     gluon = batch * heads * n_q * n_k >= GLUON_FWD_MIN_WORK if opts.gluon_fwd is None else opts.gluon_fwd
     if gluon and not chunk and _tma_wanted(opts):
         gluon_config = dict(opts.configs).get("fwd") if opts.gluon_fwd and not opts.autotune else None
         if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
-            flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, d ** -0.5 if scale is None else scale, gluon_config,
+            flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, scale, gluon_config,
                                 cached=not launch_hooks_installed())
             return o, lse
     chunks, out, out_lse = 1, o4, lse
@@ -1086,7 +1087,7 @@ def flash_forward_triton(
     _fwd_launch(
         TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
         (q4, k4, v4, out, out_lse, q4.stride(), k4.stride(), v4.stride(), out.stride(),
-         heads, heads // kv_heads, n_q, n_k, d ** -0.5 if scale is None else scale, chunk),
+         heads, heads // kv_heads, n_q, n_k, scale, chunk),
         opts, D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
         USE_TMA=_use_tma(opts, q4, k4, v4, out), PRECISION=_precision(q.dtype), SPLIT=bool(chunk),
     )

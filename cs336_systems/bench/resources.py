@@ -187,10 +187,11 @@ def _gluon_row(rec: Recorder, base: Row, name: str, dtype, args: argparse.Namesp
     """The row of a Gluon kernel at its default config for this head dim (or its status if it has none)."""
     from cs336_systems import flash_gluon
 
-    if base["d_head"] not in flash_gluon.FWD_CONFIGS or dtype not in flash_gluon.GLUON_DTYPES:
+    head_dims = sorted(flash_gluon.GLUON_KERNELS[name])
+    if base["d_head"] not in head_dims or dtype not in flash_gluon.GLUON_DTYPES:
         dtypes = ", ".join(str(t).removeprefix("torch.") for t in flash_gluon.GLUON_DTYPES)
         rec.skip({**base, "variant": "default", "use_tma": True},
-                 f"unsupported: {name} runs head dims {sorted(flash_gluon.FWD_CONFIGS)} in {dtypes}")
+                 f"unsupported: {name} runs head dims {head_dims} in {dtypes}")
         return
     kernel, launch, constexprs, warps, config = flash_gluon.example_launch(name, dtype, args.n_heads, args.seq,
                                                                            base["d_head"], args.causal)
