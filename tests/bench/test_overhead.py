@@ -40,3 +40,21 @@ def test_host_times_measure_the_call_not_waiting():
     """host_us is the time the call takes to return (here: a sleep of 2 ms)."""
     stats = host_times(lambda: time.sleep(0.002), torch.device("cpu"), iters=5, warmup=1)
     assert 2000 <= stats["host_us"] < 50_000
+
+
+def test_overhead_table_lines_come_from_one_run(tmp_path):
+    """A line of the table shows one run: a later run's unsupported forward is not covered by an earlier
+    run's figure for it (the latest-ok rule alone would mix the two runs in one line)."""
+    from .helpers import timed, write_rows
+
+    shape = dict(impl="flash_triton_cudagraphs", dtype="bf16", batch=1, n_heads=16, seq_len=1024, d_head=64,
+                 is_causal=True, peak_mem_mb=1.0)
+    extra = dict(host_us=100.0, host_us_p20=90.0, host_us_p80=110.0, wall_ms=0.2)
+    write_rows(tmp_path, "overhead", [{**shape, "mode": m, **timed(7.013, **extra)} for m in ("fwd", "bwd")]
+               + [{**shape, "mode": "fwd_bwd", **timed(1.0, **extra)}], run_id="old")
+    write_rows(tmp_path, "overhead", [{**shape, "mode": m, "status": "unsupported", "error": "paired"}
+                                      for m in ("fwd", "bwd")]
+               + [{**shape, "mode": "fwd_bwd", **timed(0.363, **extra)}], run_id="new")
+    table = check_report(tmp_path, "overhead")
+    line = next(x for x in table.splitlines() if x.startswith("| ours (CUDA graphs) |"))
+    assert "7,013" not in line and "unsupported" in line and "363" in line, line
