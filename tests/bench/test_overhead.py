@@ -8,7 +8,7 @@ import torch
 
 from cs336_systems.bench.timing import host_times
 
-from .helpers import check_report, check_rows, rows_of, run_cli
+from .helpers import check_report, check_rows, rows_of, run_cli, timed, write_rows
 
 
 def test_smoke_overhead(tmp_path):
@@ -45,8 +45,6 @@ def test_host_times_measure_the_call_not_waiting():
 def test_overhead_table_lines_come_from_one_run(tmp_path):
     """A line of the table shows one run: a later run's unsupported forward is not covered by an earlier
     run's figure for it (the latest-ok rule alone would mix the two runs in one line)."""
-    from .helpers import timed, write_rows
-
     shape = dict(impl="flash_triton_cudagraphs", dtype="bf16", batch=1, n_heads=16, seq_len=1024, d_head=64,
                  is_causal=True, peak_mem_mb=1.0)
     extra = dict(host_us=100.0, host_us_p20=90.0, host_us_p80=110.0, wall_ms=0.2)
