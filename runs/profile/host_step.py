@@ -1,10 +1,11 @@
 """Host time of the course harness's eager step at a short sequence (issue 9): a diagnostic, not a benchmark.
 
-`o = attn(q, k, v, True); o.sum().backward()` on (1, 16, --seq, 64) bf16 leaves, ours
-(`FlashAttention2Triton.apply`) against SDPA's flash backend, with the autograd engine's device thread
+`o = attn(q, k, v, True); o.sum().backward()` on (1, 16, --seq, 64) bf16 leaves, per implementation of the
+`impls` registry (default: ours, `flash_triton`, and SDPA's flash backend), with the autograd engine's device thread
 (the default) and without it (`torch.autograd.set_multithreading_enabled(False)`, the backward on the
 calling thread, so that cProfile sees it): µs per step back to back, then the forward (with the sum) and
-the backward() each timed on its own after a synchronize; last, cProfile of ours on the calling thread.
+the backward() each timed on its own after a synchronize; last, cProfile of the first implementation
+on the calling thread.
 Everything goes to --out (text); the cs336-bench `overhead` rows are the recorded figures.
 
     python3 runs/profile/host_step.py --out $OUT/host_step.txt
@@ -20,15 +21,13 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
 
-from cs336_systems.flash_triton import FlashAttention2Triton
+from cs336_systems.bench import impls
 
 
-def sdpa_flash(q, k, v, causal):
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+def label(name: str) -> str:
+    return "ours" if name == impls.SHIPPED else name
 
 
 def main() -> None:
@@ -36,7 +35,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--impls", nargs="+", default=[impls.SHIPPED, "sdpa_flash"])
     args = ap.parse_args()
+    impls.check_names("--impls", args.impls, [64])
     q, k, v = (torch.randn(1, 16, args.seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
 
@@ -68,24 +69,29 @@ def main() -> None:
 
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
              f"harness step, (1, 16, {args.seq}, 64) bf16 causal, leaves requiring grad; {args.steps} steps"]
-    for name, fn in (("ours", FlashAttention2Triton.apply), ("sdpa_flash", sdpa_flash)):
+    setup = impls.Setup(torch.device("cuda"), "bf16", args.seq)
+    attns = {name: impls.build(name, setup) for name in args.impls}
+    for name, fn in attns.items():
         for threaded in (True, False):
             torch.autograd.set_multithreading_enabled(threaded)
             fwd, bwd = parts_us(fn)
-            lines.append(f"{name:<10} device thread {threaded!s:<5}: {back_to_back_us(fn):6.1f} µs per step back to "
-                         f"back; forward+sum {fwd:6.1f} µs, backward() {bwd:6.1f} µs (each after a synchronize)")
+            lines.append(f"{label(name):<10} device thread {threaded!s:<5}: {back_to_back_us(fn):6.1f} µs per step "
+                         f"back to back; forward+sum {fwd:6.1f} µs, backward() {bwd:6.1f} µs "
+                         "(each after a synchronize)")
             print(lines[-1], flush=True)
     torch.autograd.set_multithreading_enabled(False)
     profile = cProfile.Profile()
     profile.enable()
+    first = attns[args.impls[0]]
     for _ in range(args.steps):
-        step(FlashAttention2Triton.apply)
+        step(first)
     profile.disable()
     torch.cuda.synchronize()
     for order, count in (("tottime", 45), ("cumulative", 70)):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(count)
-        lines += [f"--- cProfile of ours, backward on the calling thread, by {order}", text.getvalue()]
+        title = f"--- cProfile of {label(args.impls[0])}, backward on the calling thread, by {order}"
+        lines += [title, text.getvalue()]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
 
