@@ -196,6 +196,129 @@ def flash_bwd_kv_gluon_kernel(
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def flash_bwd_kv_qrows_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    is_causal: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`flash_bwd_kv_gluon_kernel` with the queries on rows (FlashAttention-3's backward layout).
+
+    S = Q·Kᵀ and dP = dO·Vᵀ are (BLOCK_M queries, BLOCK_N keys), one warpgroup per 64 queries (so the
+    matmuls are BLOCK_N wide and each thread holds L and delta of two rows); P and dS go to shared memory
+    in Q's dtype, and dV += Pᵀ·dO, dK += dSᵀ·Q read them back transposed, one warpgroup per 64 keys (both
+    operands from shared memory). Per query tile t:
+        issue  S, dP                                   wait S (dV, dK of tile t-1 retired too)
+        barrier (every warpgroup past tile t-1: P, dS and t-1's stage free)   TMA tile t+STAGES-1
+        P = exp2(S·scale·log2 e - L) -> shared         (runs under dP's matmul)
+        barrier, issue dV += Pᵀ·dO                     wait dP
+        dS = P·(dP - delta) -> shared                  (runs under dV's matmul)
+        barrier, issue dK += dSᵀ·Q, wait dV, dK
+    BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per 64 rows of both layouts)."""
+    dtype: gl.constexpr = q_desc.dtype
+    batch_kv_head = gl.program_id(0)
+    k_start = gl.program_id(1) * BLOCK_N
+    n_kv_heads = N_HEADS // KV_GROUP
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
+    kv_row = batch_kv_head * N_KEYS + k_start
+    first_head = batch * N_HEADS + kv_head * KV_GROUP
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
+    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
+
+    if is_causal:
+        q_first = k_start
+    else:
+        q_first = k_start * 0
+    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
+    total = KV_GROUP * n_vis
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for i in gl.static_range(STAGES - 1):
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
+                          N_QUERIES, BLOCK_M, STAGES)
+
+    qk_scale = scale * LOG2E
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=col_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+
+    for t in range(total):
+        s = t % STAGES
+        q_start = q_first + (t % n_vis) * BLOCK_M
+        lse = lse_next
+        delta = delta_next
+        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
+                                          N_QUERIES, BLOCK_M)
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        q_tile = q_smem.index(s)
+        do_tile = do_smem.index(s)
+        sc = warpgroup_mma(q_tile, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sc, dk, dv = warpgroup_mma_wait(1, deps=(sc, dk, dv))
+        gl.thread_barrier()
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
+                          q_first, N_QUERIES, BLOCK_M, STAGES)
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
+        if is_causal:
+            if q_start - q_first < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
+                keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
+                p = gl.where(keep, p, 0.0)
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=(dp, ))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds_smem.store(ds.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+        # retired here, not under the next tile's S: a wgmma in flight across the loop's back edge makes
+        # ptxas serialize every wgmma of this kernel (C7515)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_bar)
+    out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], dk_desc.layout)
+    out_smem.index(0).store((dk * scale).to(dtype))
+    out_smem.index(1).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
+    tma.store_wait(pendings=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +520,8 @@ def flash_fwd_gluon_kernel(
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
+# the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`): BLOCK_M = BLOCK_N = 16·num_warps
+QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
@@ -420,13 +545,16 @@ def _takes(tensors, d: int, configs: dict) -> bool:
     return _is_sm90(q4.device.index)
 
 
-def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None) -> bool:
-    """Whether `kv_pass` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, whole tiles."""
+def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
+              qrows: bool = False) -> bool:
+    """Whether `kv_pass` (with `qrows`) takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128,
+    contiguous, whole tiles."""
     d = q4.shape[-1]
-    block_m, block_n, _, _ = config or CONFIGS.get(d, (1, 1, 0, 0))
+    configs = QROWS_CONFIGS if qrows else CONFIGS
+    block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
-    return _takes((q4, k4, v4, do4), d, CONFIGS)
+    return _takes((q4, k4, v4, do4), d, configs)
 
 
 def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:
@@ -461,15 +589,16 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         config = FWD_CONFIGS[d]
         _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
-    if name == "flash_bwd_kv_gluon":
-        config = CONFIGS[d]
-        _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config)
-        return flash_bwd_kv_gluon_kernel, args, constexprs, constexprs["num_warps"], config
+    if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon"):
+        qrows = name == "flash_bwd_kv_qrows_gluon"
+        config = (QROWS_CONFIGS if qrows else CONFIGS)[d]
+        kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows)
+        return kernel, args, constexprs, constexprs["num_warps"], config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
-GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS}
+GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
@@ -516,27 +645,34 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
            None, None, None, *args, *constexprs.values())
 
 
-def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config):
-    """(grid, arguments, constexprs, cache key) of a dK/dV-pass launch."""
+def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
+                    qrows: bool = False):
+    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    block_m, block_n, warps, stages = config or CONFIGS[d]
+    block_m, block_n, warps, stages = config or (QROWS_CONFIGS if qrows else CONFIGS)[d]
+    if qrows and not block_m == block_n == 16 * warps:
+        raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per "
+                         f"64 rows), got {config}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
-    key = ("kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
-           n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
-    return grid, args, constexprs, key
+    key = ("kv_qrows" if qrows else "kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal,
+           heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+    kernel = flash_bwd_kv_qrows_gluon_kernel if qrows else flash_bwd_kv_gluon_kernel
+    return kernel, grid, args, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True) -> None:
-    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config;
-    lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only
-    Triton's own launch path calls) launches through the JIT every time."""
-    grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config)
-    _launch(flash_bwd_kv_gluon_kernel, grid, args, constexprs, key, cached)
+            cached: bool = True, qrows: bool = False) -> None:
+    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
+    `qrows`; lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which
+    only Triton's own launch path calls) launches through the JIT every time. qrows: the kernel with the
+    queries on rows (`flash_bwd_kv_qrows_gluon_kernel`)."""
+    kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
+                                                          config, qrows)
+    _launch(kernel, grid, args, constexprs, key, cached)
 
 
 def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config):

@@ -1,4 +1,5 @@
-"""The Gluon kernels (cs336_systems.flash_gluon) on the GPU: Gluon has no interpreter.
+"""The Gluon kernels (cs336_systems.flash_gluon) on the GPU (Gluon has no interpreter), and their host-side
+checks on the CPU.
 
 Each dK/dV-pass case runs the whole backward with `KernelOptions(gluon_kv=True)`, each forward case the
 forward with `KernelOptions(gluon_fwd=True)`, and checks the outputs against float64 with the bf16/fp16
@@ -14,8 +15,6 @@ import torch.nn.functional as F
 
 from .helpers import randn_cuda, rel_err, run
 
-pytestmark = pytest.mark.gpu
-
 CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
     "d64": (1, 2, 2, 2048, 2048, 64, torch.bfloat16),
     "gqa": (2, 8, 2, 1024, 1024, 64, torch.bfloat16),
@@ -25,17 +24,21 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 }
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("qrows", [False, True], ids=["keys-on-rows", "queries-on-rows"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_kv_pass_meets_2x_rule(case, is_causal):
+def test_gluon_kv_pass_meets_2x_rule(case, is_causal, qrows):
+    """Both dK/dV kernels: keys on rows (`flash_bwd_kv_gluon_kernel`) and queries on rows
+    (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows)."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
     q, do = (randn_cuda(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
     k, v = (randn_cuda(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
-    assert flash_gluon.supported(q, k, v, do), "the case must take the Gluon path"
-    opts = KernelOptions(gluon_kv=True)
+    assert flash_gluon.supported(q, k, v, do, qrows=qrows), "the case must take the Gluon path"
+    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows)
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
     ours = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
 
@@ -50,6 +53,42 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal):
             f"{name}: relative error {rel_err(x, ref):.3g} vs SDPA's {rel_err(base, ref):.3g}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(128, 128, 8, 2), (64, 64, 4, 3)])
+def test_gluon_kv_qrows_configs_meet_2x_rule(config):
+    """The queries-on-rows dK/dV pass at its other configs (two warpgroups of 64 rows; three stages),
+    causal with GQA."""
+    from cs336_systems import flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    q, do = (randn_cuda(2, 4, 1024, 64, seed=80 + i, dtype=torch.bfloat16) for i in range(2))
+    k, v = (randn_cuda(2, 2, 1024, 64, seed=82 + i, dtype=torch.bfloat16) for i in range(2))
+    assert flash_gluon.supported(q, k, v, do, config, qrows=True)
+    opts = KernelOptions(gluon_kv=True, kv_qrows=True, autotune=False, configs=(("kv", config),))
+    o, lse = flash_forward_triton(q, k, v, True, opts)
+    ours = flash_backward_triton(q, k, v, o, lse, do, True, opts)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    exact = run(sdpa, *(t.double() for t in (q, k, v, do)))[1:]
+    theirs = run(sdpa, q, k, v, do)[1:]
+    for name, x, ref, base in zip(("dQ", "dK", "dV"), ours, exact, theirs):
+        assert rel_err(x, ref) <= 2 * rel_err(base, ref) + 1e-6, (
+            f"{name}: relative error {rel_err(x, ref):.3g} vs SDPA's {rel_err(base, ref):.3g}")
+
+
+def test_gluon_kv_qrows_rejects_mismatched_tiles():
+    """Checked before anything is built or launched (CPU tensors never reach a kernel)."""
+    from cs336_systems import flash_gluon
+
+    x = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 256)
+    with pytest.raises(ValueError, match="BLOCK_M = BLOCK_N"):
+        flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, (64, 128, 4, 2), qrows=True)
+
+
+@pytest.mark.gpu
 def test_gluon_kv_pass_declines_what_it_cannot_tile():
     """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass."""
     from cs336_systems import flash_gluon
@@ -62,6 +101,7 @@ def test_gluon_kv_pass_declines_what_it_cannot_tile():
     assert not flash_gluon.supported(q, k, v, do.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+@pytest.mark.gpu
 def test_gluon_kv_pass_cached_launch_repeats_bitwise():
     """The second call of a signature goes through the launch cache and gives the same bits."""
     from cs336_systems import flash_gluon
@@ -93,6 +133,7 @@ FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype, config: None for t
 }
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(FWD_CASES))
 def test_gluon_forward_meets_2x_rule(case, is_causal):
@@ -123,6 +164,7 @@ def test_gluon_forward_meets_2x_rule(case, is_causal):
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-3, rtol=0)
 
 
+@pytest.mark.gpu
 def test_gluon_forward_declines_what_it_cannot_tile():
     """Query lengths not in 64-row tiles, key lengths not in key tiles, other head dims, fp32: Triton."""
     from cs336_systems import flash_gluon
@@ -136,6 +178,7 @@ def test_gluon_forward_declines_what_it_cannot_tile():
     assert not flash_gluon.fwd_supported(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
 
 
+@pytest.mark.gpu
 def test_gluon_forward_cached_launch_repeats_bitwise():
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
@@ -150,6 +193,7 @@ def test_gluon_forward_cached_launch_repeats_bitwise():
         assert torch.equal(x, y)
 
 
+@pytest.mark.gpu
 def test_gluon_launch_cache_keys_on_the_head_dim():
     """Same shape and config at two head dims: each call runs the kernel compiled for its own (a cache keyed
     without the head dim ran the d 64 kernel on d 128 tensors in the session-12 sweep)."""

@@ -9,7 +9,8 @@ SDPA's flash and cuDNN backends in the same process:
                            the deterministic two-pass backward (kv configs run with the plan's fixed
                            dq config, then dq configs with the best kv config); -prep: with the
                            delta pre-pass kernel instead of the dQ pass computing delta (fused_prep);
-                           -gluon: the dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv).
+                           -gluon: the dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv);
+                           -qrows: the dK/dV pass with the queries on rows (kv_qrows).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
@@ -135,6 +136,26 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 15: the dK/dV pass with the queries on rows (FlashAttention-3's layout, kv_qrows), in Triton (8-warp
+    # tiles: Triton computes S and dP of a 64-query tile in both warpgroups) and in Gluon (BLOCK_M = BLOCK_N =
+    # 16·warps), against the shipped Triton pass
+    "qrows": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/det-tma-qrows": [(64, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
+            "bwd/det-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
+    "qrows128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={},
+        kv={"bwd/det-tma": [(32, 64, 4, 3)],
+            "bwd/det-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
 }
 
 
@@ -148,10 +169,10 @@ def options(design: str, configs: dict):
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon]
+    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon][-qrows]
     gluon = "gluon" in parts
     return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
-                         fused_prep="prep" not in parts, gluon_kv=gluon and kind == "bwd",
+                         fused_prep="prep" not in parts, gluon_kv=gluon and kind == "bwd", kv_qrows="qrows" in parts,
                          gluon_fwd=gluon and kind == "fwd", configs=tuple(sorted(configs.items())))
 
 
