@@ -197,6 +197,45 @@ def flash_bwd_kv_gluon_kernel(
 
 
 @gluon.jit
+def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                   L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
+    MASKED: the tile on the diagonal. Every wgmma is retired before it returns: one in flight across the
+    caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
+    dtype: gl.constexpr = q_smem.dtype
+    s = t % STAGES
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    q_tile = q_smem.index(s)
+    do_tile = do_smem.index(s)
+    sc = warpgroup_mma(q_tile, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(1, deps=(sc, ))
+    gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
+    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
+                      N_QUERIES, BLOCK_M, STAGES)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
+    if MASKED:  # query i sees key j iff i >= j
+        q_start = q_first + (t % n_vis) * BLOCK_M
+        keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
+        p = gl.where(keep, p, 0.0)
+    p_smem.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
+    dp = warpgroup_mma_wait(1, deps=(dp, ))
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_smem.store(ds.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    return dk, dv, lse_next, delta_next
+
+
+@gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
@@ -263,50 +302,30 @@ def flash_bwd_kv_qrows_gluon_kernel(
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=col_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, D], gl.float32, acc_layout))
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
-                                      BLOCK_M)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
 
-    for t in range(total):
-        s = t % STAGES
-        q_start = q_first + (t % n_vis) * BLOCK_M
-        lse = lse_next
-        delta = delta_next
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
-                                          N_QUERIES, BLOCK_M)
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        q_tile = q_smem.index(s)
-        do_tile = do_smem.index(s)
-        sc = warpgroup_mma(q_tile, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sc, dk, dv = warpgroup_mma_wait(1, deps=(sc, dk, dv))
-        gl.thread_barrier()
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
-                          q_first, N_QUERIES, BLOCK_M, STAGES)
-        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
+    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
+    # q_first = k_start), the only one that needs the mask
+    for g in range(KV_GROUP):
+        t0 = g * n_vis
         if is_causal:
-            if q_start - q_first < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
-                keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
-                p = gl.where(keep, p, 0.0)
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
-        dp = warpgroup_mma_wait(1, deps=(dp, ))
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        ds_smem.store(ds.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
-        # retired here, not under the next tile's S: a wgmma in flight across the loop's back edge makes
-        # ptxas serialize every wgmma of this kernel (C7515)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        dk = warpgroup_mma_init(dk)
-        dv = warpgroup_mma_init(dv)
+            if n_vis > 0:
+                dk, dv, lse, delta = _kv_qrows_tile(
+                    t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                    BLOCK_M, STAGES, True)
+            first = 1
+        else:
+            first = 0
+        for j in range(first, n_vis):
+            dk, dv, lse, delta = _kv_qrows_tile(
+                t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                BLOCK_M, STAGES, False)
 
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)

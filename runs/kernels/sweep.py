@@ -148,6 +148,16 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 16: the Gluon build with the diagonal tile's mask out of the loop (one masked tile per query head,
+    # then unmasked ones), at more stages
+    "qrows2": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma": [(32, 128, 4, 3)],
+            "bwd/det-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
     "qrows128": dict(
         shape=(1, 1, 65536, 128),
         fwd={},
