@@ -3,8 +3,9 @@
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
 TMA descriptors, deterministic two-pass backward whose passes issue dP's matmul before P's
 exponentials, and whose dQ pass, run first, computes delta and copies an expanded dO itself; on
-large sm_90 calls the forward in Gluon, FlashAttention-3's schedule). "fused_prep" is the same with the
-Triton forward everywhere (`gluon_fwd=False`).
+large sm_90 calls the forward and the dK/dV pass in Gluon, FlashAttention-3's schedule and layout).
+"gluon_fwd" is the same with the Triton dK/dV pass everywhere (`gluon_kv=False`), "fused_prep" also with
+the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
 "atomic_dq" is the alternative backward: the single-pass backward with fp32 atomic dQ
@@ -20,22 +21,24 @@ import torch
 
 from cs336_systems.flash_triton import FlashAttention2Triton, KernelOptions, autograd_function
 
+_TRITON_ONLY = dict(gluon_fwd=False, gluon_kv=False)  # the steps before the Gluon kernels
 _PLAIN = KernelOptions(triton_backward=False, skip_masked_tiles=False, autotune=False, tma=False,
-                       fused_prep=False, gluon_fwd=False)
+                       fused_prep=False, **_TRITON_ONLY)
 
 ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "fwd_triton_bwd_compiled": autograd_function("FlashFwdTritonBwdCompiled", _PLAIN),
     "bwd_triton": autograd_function(
         "FlashBwdTriton", KernelOptions(skip_masked_tiles=False, autotune=False, tma=False, fused_prep=False,
-                                        gluon_fwd=False)),
+                                        **_TRITON_ONLY)),
     "causal_skip": autograd_function(
-        "FlashCausalSkip", KernelOptions(autotune=False, tma=False, fused_prep=False, gluon_fwd=False)),
-    "autotune": autograd_function("FlashAutotune", KernelOptions(tma=False, fused_prep=False, gluon_fwd=False)),
-    "tma": autograd_function("FlashTma", KernelOptions(dp_first=False, fused_prep=False, gluon_fwd=False)),
-    "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False, gluon_fwd=False)),
-    "dp_first": autograd_function("FlashDpFirst", KernelOptions(fused_prep=False, gluon_fwd=False)),
-    "fused_prep": autograd_function("FlashFusedPrep", KernelOptions(gluon_fwd=False)),
-    "gluon_fwd": FlashAttention2Triton,
+        "FlashCausalSkip", KernelOptions(autotune=False, tma=False, fused_prep=False, **_TRITON_ONLY)),
+    "autotune": autograd_function("FlashAutotune", KernelOptions(tma=False, fused_prep=False, **_TRITON_ONLY)),
+    "tma": autograd_function("FlashTma", KernelOptions(dp_first=False, fused_prep=False, **_TRITON_ONLY)),
+    "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False, **_TRITON_ONLY)),
+    "dp_first": autograd_function("FlashDpFirst", KernelOptions(fused_prep=False, **_TRITON_ONLY)),
+    "fused_prep": autograd_function("FlashFusedPrep", KernelOptions(**_TRITON_ONLY)),
+    "gluon_fwd": autograd_function("FlashGluonFwd", KernelOptions(gluon_kv=False)),
+    "gluon_kv": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]

@@ -1,16 +1,24 @@
-"""Kernels in Gluon for Hopper (sm_90a): the forward (shipped for large calls) and the dK/dV pass (opt-in).
+"""Kernels in Gluon for Hopper (sm_90a): the forward and the dK/dV pass (both shipped for large calls).
 
 The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule: a producer warp, two or
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
 softmax of one key tile under the previous tile's P·V (the schedule and its barriers are described above
 the kernel). `flash_triton` runs it by default where `fwd_supported` holds and the call is large
-(`flash_triton.GLUON_FWD_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
+(`flash_triton.GLUON_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
 the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
 
-The dK/dV pass (`flash_bwd_kv_gluon_kernel`, `kv_pass`) does the work of
-`flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every query tile and every query head
-of its GQA group that sees it), with the wgmma schedule written out instead of left to Triton's
-pipeliner, which waits for every non-accumulating wgmma as soon as it is issued:
+The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every
+query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):
+
+- `flash_bwd_kv_qrows_gluon_kernel` (shipped: `flash_triton` runs it where `supported(qrows=True)` holds
+  and the call is large): FlashAttention-3's layout. S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
+  (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
+  and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop. On the
+  H200 it takes 11% off the Triton pass's kernel time at the leaderboard shape and ~20% at d 128 × 65536
+  (NOTES.md, session 14).
+- `flash_bwd_kv_gluon_kernel` (opt-in, `KernelOptions(gluon_kv=True, kv_qrows=False)`): the keys on rows,
+  as the Triton pass, with the wgmma schedule written out instead of left to Triton's pipeliner, which
+  waits for every non-accumulating wgmma as soon as it is issued:
 
     per query tile t (stage s of a TMA ring of Q and dO tiles):
         issue  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ                      (both async)
@@ -22,11 +30,8 @@ pipeliner, which waits for every non-accumulating wgmma as soon as it is issued:
         dSᵀ = Pᵀ·(dPᵀ - delta)                                 (runs under dV's matmul)
         issue  dK += dSᵀ·Q                                     (dSᵀ from registers)
 
-so the exponentials run while the tensor cores work on dPᵀ, and dSᵀ while they work on dV. One
-warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory.
-Opt-in (`KernelOptions(gluon_kv=True)`): on the H200 it ties the Triton pass at d 64 and gains ~2% of
-the backward at d 128, long sequences; with one head at 4096-16384 it loses (its programs of 64 keys
-and 32 queries take more, smaller steps than the Triton pass's when the grid is under one wave).
+  One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
+  H200 it ties the Triton pass at d 64 and gains ~2% of the backward at d 128, long sequences.
 
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
@@ -38,7 +43,7 @@ Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code i
 warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
 the single-pass backward with dQ by TMA bulk reductions, in two builds (34c5a8e, 1c8ee71).
 
-Layout, top-down: the dK/dV pass (helpers, kernel), the forward (producer, softmax step, consumer,
+Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the forward (producer, softmax step, consumer,
 kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass` and `forward`.
 """
 

@@ -803,13 +803,17 @@ class KernelOptions:
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
                                      # copies an expanded dO, instead of a pre-pass kernel and a copy
-    kv_qrows: bool = False           # the dK/dV pass (Triton, or Gluon with gluon_kv) computes S and dP with the
-                                     # queries on rows, P and dS reaching dV's and dK's matmuls through shared memory
-    gluon_kv: bool = False           # two-pass backward: the dK/dV pass in Gluon (flash_gluon) where it
-                                     # applies (sm_90, 16-bit, d 64/128, contiguous, whole tiles)
+    # The two-pass backward's dK/dV pass in Gluon (flash_gluon): None where it applies (sm_90, 16-bit, d 64/128,
+    # contiguous, whole tiles, an unsplit grid) and the call is long enough for its launch (GLUON_MIN_WORK),
+    # True wherever it applies (with `configs`' "kv" entry as its config when not autotuning), False never.
+    gluon_kv: bool | None = None
+    # The dK/dV pass computes S and dP with the queries on rows, P and dS reaching dV's and dK's matmuls
+    # through shared memory (FlashAttention-3's layout). None: the faster layout of each build on the H200
+    # (queries on rows in Gluon, keys on rows in Triton; NOTES.md, session 14); True / False: that layout.
+    kv_qrows: bool | None = None
     # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
     # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,
-    # contiguous, whole 64-row tiles) and the call is long enough for its launch (GLUON_FWD_MIN_WORK), True
+    # contiguous, whole 64-row tiles) and the call is long enough for its launch (GLUON_MIN_WORK), True
     # wherever it applies (with `configs`' "fwd" entry as its config when not autotuning), False never.
     gluon_fwd: bool | None = None
     # Rows per chunk where a pass splits its reduction over a third grid axis (keys for the forward and
@@ -830,11 +834,11 @@ class KernelOptions:
 
 
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
-# batch·heads·Nq·Nk from which the forward runs in Gluon by default (KernelOptions.gluon_fwd=None): its launch
-# (host-side TMA descriptors, the JIT's runner) costs more host time than the Triton kernel's cached C launch,
-# so short calls, which are bound by host time, keep the Triton kernel (about 0.25 ms of kernel time and up
-# at d 64, causal, on the H200)
-GLUON_FWD_MIN_WORK = 1 << 30
+# batch·heads·Nq·Nk from which the forward and the dK/dV pass run in Gluon by default (KernelOptions.gluon_fwd,
+# gluon_kv = None): a Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's
+# cached C launch, so short calls, which are bound by host time, keep the Triton kernels (about 0.25 ms of
+# forward kernel time and up at d 64, causal, on the H200)
+GLUON_MIN_WORK = 1 << 30
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
 DEFAULT_OPTIONS = KernelOptions()
 ATOMIC_OPTIONS = KernelOptions(deterministic=False)
@@ -1126,7 +1130,7 @@ def flash_forward_triton(
     d_tile = padded_dim(d)
     scale = d ** -0.5 if scale is None else scale
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
-    gluon = batch * heads * n_q * n_k >= GLUON_FWD_MIN_WORK if opts.gluon_fwd is None else opts.gluon_fwd
+    gluon = batch * heads * n_q * n_k >= GLUON_MIN_WORK if opts.gluon_fwd is None else opts.gluon_fwd
     if gluon and not chunk and _tma_wanted(opts):
         gluon_config = dict(opts.configs).get("fwd") if opts.gluon_fwd and not opts.autotune else None
         if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
@@ -1212,17 +1216,19 @@ def flash_backward_triton(
         )
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    if opts.gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
-        gluon_config = None if opts.autotune else dict(opts.configs).get("kv")
-        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows):
+    gluon_kv = batch * heads * n_q * n_k >= GLUON_MIN_WORK if opts.gluon_kv is None else opts.gluon_kv
+    if gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
+        qrows = opts.kv_qrows is not False
+        gluon_config = dict(opts.configs).get("kv") if opts.gluon_kv and not opts.autotune else None
+        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, qrows):
             flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
-                                cached=not launch_hooks_installed(), qrows=opts.kv_qrows)
+                                cached=not launch_hooks_installed(), qrows=qrows)
             return dq, dk, dv
     _kv_launch(
         TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
         (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
          do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
-        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), QROWS=opts.kv_qrows,
+        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), QROWS=bool(opts.kv_qrows),
     )
     if kv_chunk:
         _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)

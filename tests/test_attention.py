@@ -254,13 +254,49 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, glu
     calls = []
     monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
     monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
-    monkeypatch.setattr(ft, "GLUON_FWD_MIN_WORK", min_work)
+    monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(ft.flash_gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
     monkeypatch.setattr(ft.flash_gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
     monkeypatch.setattr(ft, "_fwd_launch", lambda *a, **kw: calls.append(("triton", None)))
     q = torch.zeros(1, 2, 128, 64)
     ft.flash_forward_triton(q, q, q, True, ft.KernelOptions(**opts))
     assert calls == ([("triton", None)] if gluon_config == "triton" else [("gluon", gluon_config)])
+
+
+@pytest.mark.parametrize("opts,min_work,expected", [
+    ({}, 1 << 30, ("triton", False)),                          # default: only calls of 2^30+ work ...
+    ({}, 1, ("gluon", True, None)),                            # ... which take the queries-on-rows Gluon pass
+    ({"kv_qrows": False}, 1, ("gluon", False, None)),
+    ({"gluon_kv": False}, 1, ("triton", False)),
+    ({"gluon_kv": False, "kv_qrows": True}, 1, ("triton", True)),
+    ({"gluon_kv": True}, 1 << 30, ("gluon", True, None)),      # wherever it applies
+    ({"gluon_kv": True, "autotune": False, "configs": (("kv", (128, 128, 8, 2)),)}, 1 << 30,
+     ("gluon", True, (128, 128, 8, 2))),
+    # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
+    ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, ("gluon", True, None)),
+    ({"deterministic": False}, 1, ("triton", False)),          # the atomic design has no Gluon pass
+], ids=["default-small", "default-large", "keys-on-rows", "off", "off-qrows", "on", "on-with-config",
+        "auto-keeps-triton-config", "atomic"])
+def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, expected):
+    """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon pass (queries on
+    rows unless kv_qrows=False) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
+    pass with QROWS = kv_qrows."""
+    import cs336_systems.flash_triton as ft
+
+    calls = []
+    monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
+    monkeypatch.setattr(ft, "_tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
+    monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
+    monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, **kw: True)
+    monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(("gluon", kw["qrows"], a[10])))
+    monkeypatch.setattr(ft, "_kv_launch", lambda *a, **kw: calls.append(("triton", kw["QROWS"])))
+    for launcher in ("_dq_launch", "_prep_launch", "_cast_launch"):
+        monkeypatch.setattr(ft, launcher, lambda *a, **kw: None)
+    q = torch.zeros(1, 2, 128, 64)
+    lse = torch.zeros(1, 2, 128)
+    ft.flash_backward_triton(q, q, q, q, lse, q, True, ft.KernelOptions(split_rows=0, **opts))
+    assert calls == [expected]
 
 
 def test_flash_triton_rejects_too_large_head_dim():

@@ -9,7 +9,9 @@ Every benchmark (attention, flash, leaderboard, model, overhead) builds its call
   flash_triton     `FlashAttention2Triton`, the shipped kernel ("ours" in tables and plots)
   flash_triton:V   the ablation variant V of `cs336_systems.flash_ablation.ABLATION_VARIANTS`
   flash_triton_gluon_kv
-                   the shipped kernel with the opt-in Gluon dK/dV pass (`KernelOptions(gluon_kv=True)`)
+                   the shipped kernel with the keys-on-rows Gluon dK/dV pass wherever it applies
+                   (`KernelOptions(gluon_kv=True, kv_qrows=False)`; the shipped kernel runs the
+                   queries-on-rows one on large calls)
   sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
                    `F.scaled_dot_product_attention` restricted to one backend
   NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants, the SDPA backends)
@@ -92,7 +94,7 @@ def _flash_triton(setup: Setup) -> Attention:
 def _flash_triton_gluon_kv_class():
     from cs336_systems.flash_triton import KernelOptions, autograd_function
 
-    return autograd_function("FlashGluonKv", KernelOptions(gluon_kv=True))
+    return autograd_function("FlashGluonKv", KernelOptions(gluon_kv=True, kv_qrows=False))
 
 
 def _flash_triton_gluon_kv(setup: Setup) -> Attention:
