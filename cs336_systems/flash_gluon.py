@@ -43,8 +43,9 @@ Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code i
 warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
 the single-pass backward with dQ by TMA bulk reductions, in two builds (34c5a8e, 1c8ee71).
 
-Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the forward (producer, softmax step, consumer,
-kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass` and `forward`.
+Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the forward
+(producer, softmax step, consumer, kernel), then the configs, `supported` / `fwd_supported` and the host
+launchers `kv_pass` and `forward`.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from cs336_systems.kernel_launch import CLaunch
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -622,32 +624,21 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
-GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS}
+GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
+                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
-# the alignment of the pointer arguments): later launches skip the JIT's argument binder and Triton's
-# per-launch Python (the runner closure, launch metadata, scratch allocation) and call the compiled
-# kernel's C launch directly with the current stream; its wrapper turns the host-side TensorDescriptors
-# into TMA descriptors. The signature must hold everything the compiled code bakes in: a kernel compiled
-# for another head dim, called with these descriptors, reads tiles of the wrong size.
-_COMPILED: dict[tuple, tuple] = {}
+# the alignment of the pointer arguments): (its C launch or None, the compiled kernel). Later launches skip
+# the JIT's argument binder and Triton's per-launch Python and call the C launch (`kernel_launch.CLaunch`),
+# whose wrapper turns the host-side TensorDescriptors into TMA descriptors; where it is None, the compiled
+# kernel's runner. The signature must hold everything the compiled code bakes in: a kernel compiled for another head
+# dim, called with these descriptors, reads tiles of the wrong size.
+_COMPILED: dict[tuple, tuple[CLaunch | None, object]] = {}
 
 
 def launch_cache_size() -> int:
     return len(_COMPILED)
-
-
-def _cache_entry(compiled, grid: tuple) -> tuple:
-    """(C launch, CUfunction, packed metadata, cooperative, PDL, stream getter) of a compiled kernel, or
-    (None, its runner) where Triton's launcher does not expose them or the kernel needs scratch memory."""
-    launcher = compiled.run
-    pieces = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    if not all(hasattr(launcher, p) for p in pieces) or launcher.global_scratch_size or launcher.profile_scratch_size:
-        return None, compiled
-    compiled[grid]  # loads the kernel (compiled.function)
-    return (launcher.launch, compiled.function, compiled.packed_metadata, launcher.launch_cooperative_grid,
-            launcher.launch_pdl, triton.runtime.driver.active.get_current_stream)
 
 
 def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cached: bool) -> None:
@@ -657,16 +648,13 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
     if entry is None:
         compiled = kernel[grid](*args, **constexprs)
         if cached:
-            _COMPILED[key] = _cache_entry(compiled, grid)
+            _COMPILED[key] = (CLaunch.of(compiled, grid), compiled)
         return
-    if entry[0] is None:
-        entry[1][grid](*args, *constexprs.values())
-        return
-    launch, function, metadata, cooperative, pdl, current_stream = entry
-    # grid, stream, CUfunction, cooperative, PDL, global and profile scratch, packed metadata, the hooks'
-    # launch metadata, enter and exit hooks, then the kernel's arguments and constexprs
-    launch(grid[0], grid[1], grid[2], current_stream(key[1]), function, cooperative, pdl, None, None, metadata,
-           None, None, None, *args, *constexprs.values())
+    c_launch, compiled = entry
+    if c_launch is None:
+        compiled[grid](*args, *constexprs.values())
+    else:
+        c_launch(key[1], *args, *constexprs.values())
 
 
 def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,

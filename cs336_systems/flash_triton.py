@@ -44,6 +44,7 @@ import triton.language as tl
 
 from cs336_systems import flash_gluon
 from cs336_systems.flash_pytorch import flash_backward_compiled, flash_forward_tiled
+from cs336_systems.kernel_launch import CLaunch, scratch
 from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, refuse_double_backward
 
 INTERPRET = triton.knobs.runtime.interpret  # TRITON_INTERPRET as Triton itself reads it (1/true/on/yes)
@@ -924,13 +925,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory Triton asks for at launch: the TMA descriptors the kernels build (128 B each).
-    A fresh allocation per launch: a buffer kept across calls would outlive the private memory pool
-    of a CUDA-graph tree that created it."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _tma_wanted(opts: KernelOptions) -> bool:
     return _tma_default() if opts.tma is None else opts.tma
 
@@ -938,7 +932,7 @@ def _tma_wanted(opts: KernelOptions) -> bool:
 def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
     use = _tma_wanted(opts) and _tma_ok(*tensors)
     if use:
-        triton.set_allocator(_scratch)
+        triton.set_allocator(scratch)
     return use
 
 
@@ -956,25 +950,22 @@ def launch_cache_sizes() -> dict[str, int]:
 
 
 class _Compiled:
-    """What `_Launcher` keeps per argument signature: the compiled kernel's C launch function and its
-    fixed arguments, or (where Triton's launcher does not expose them) the kernel's runner."""
+    """What `_Launcher` keeps per argument signature: the compiled kernel's C launch (None where Triton's
+    launcher does not expose it; then its runner is called) and the arguments after the call's own."""
 
-    __slots__ = ("launch", "grid", "function", "cooperative", "pdl", "metadata", "scratch_size", "tail", "runner")
+    __slots__ = ("tail", "runner", "c_launch")
 
-    def __init__(self, tail: tuple, runner=None, launch=None, grid=(), function=None, cooperative=False,
-                 pdl=False, metadata=None, scratch_size: int = 0):
-        self.tail = tail  # the arguments after the call's own: constexprs and tuned meta-parameters
-        self.runner = runner
-        self.launch, self.grid, self.function = launch, grid, function
-        self.cooperative, self.pdl, self.metadata, self.scratch_size = cooperative, pdl, metadata, scratch_size
+    def __init__(self, tail: tuple, runner, c_launch: CLaunch | None):
+        self.tail = tail  # the constexprs and tuned meta-parameters
+        self.runner, self.c_launch = runner, c_launch
 
 
 class _Launcher:
     """Launches one kernel; remembers, per argument signature, the compiled kernel and its grid.
 
     The first launch of a signature goes through Triton (autotuner, heuristics, specialization,
-    compilation); later ones call the compiled kernel's C launch function directly with the current
-    stream and the TMA scratch (`_scratch`), which is most of the host time at short sequences. The
+    compilation); later ones call the compiled kernel's C launch directly (`kernel_launch.CLaunch`: the current
+    stream, fresh TMA scratch), which saves most of the host time at short sequences. The
     signature holds everything Triton specializes on or tunes by: each tensor's dtype and 16-byte
     alignment, every integer's value, the constexprs and the device. Under the interpreter, or with
     launch hooks installed, every launch goes through Triton; where a compiled kernel's launcher does
@@ -991,7 +982,6 @@ class _Launcher:
         # each call site passes one fixed layout, found at its first call
         self.tensor_positions: tuple[int, ...] = ()
         self.other_positions: tuple[int, ...] | None = None
-        self.current_stream = None  # Triton's driver: the raw current stream of a device index
 
     def _key(self, grid, args: tuple, constexprs: dict) -> tuple:
         """The signature: device, grid (a tuple or a hashable `TilesGrid`: the batch·heads it covers is in
@@ -1016,17 +1006,10 @@ class _Launcher:
         entry = self.entries.get(key)
         if entry is None:
             self.entries[key] = self._compile(grid, args, constexprs)
-        elif entry.launch is None:
+        elif entry.c_launch is None:
             entry.runner(*args, *entry.tail)
         else:
-            stream = self.current_stream(key[0])
-            scratch = _scratch(entry.scratch_size, 128, stream) if entry.scratch_size else None
-            gx, gy, gz = entry.grid
-            # the C launch's arguments: grid, stream, CUfunction, cooperative, PDL, global and profile
-            # scratch, launch metadata (warps, CTAs, shared memory), its Python hook metadata, enter and
-            # exit hooks, then the kernel's arguments
-            entry.launch(gx, gy, gz, stream, entry.function, entry.cooperative, entry.pdl, scratch, None,
-                         entry.metadata, None, None, None, *args, *entry.tail)
+            entry.c_launch(key[0], *args, *entry.tail)
 
     def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
         """Launch through Triton (tuning and compiling as needed) and keep what later launches reuse."""
@@ -1039,19 +1022,7 @@ class _Launcher:
             values.update({name: rule(values) for name, rule in _EVEN_HEURISTICS.items()})
         tail = tuple(values[name] for name in self.arg_names[len(args):])
         fixed_grid = tuple(grid(values) if callable(grid) else grid)
-        runner = kernel[fixed_grid]  # also loads the kernel (kernel.function)
-        launcher = kernel.run
-        pieces = ("launch", "num_ctas", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
-                  "launch_pdl")
-        if not all(hasattr(launcher, p) for p in pieces) or launcher.profile_scratch_size:
-            return _Compiled(tail, runner=runner)
-        if self.current_stream is None:
-            self.current_stream = triton.runtime.driver.active.get_current_stream
-        gx, gy, gz = fixed_grid
-        return _Compiled(tail, launch=launcher.launch, grid=fixed_grid, function=kernel.function,
-                         cooperative=launcher.launch_cooperative_grid, pdl=launcher.launch_pdl,
-                         metadata=kernel.packed_metadata,
-                         scratch_size=gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size)
+        return _Compiled(tail, kernel[fixed_grid], CLaunch.of(kernel, fixed_grid))
 
 
 _fwd_launch = _Launcher(flash_fwd_autotuned, "fwd")
