@@ -98,6 +98,67 @@ def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N
 
 
 @gluon.jit
+def _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N: gl.constexpr):
+    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles)): (k_start, its first row in the
+    (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query head)."""
+    batch_kv_head = gl.program_id(0)
+    k_start = gl.program_id(1) * BLOCK_N
+    n_kv_heads = N_HEADS // KV_GROUP
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
+    return k_start, batch_kv_head * N_KEYS + k_start, batch * N_HEADS + kv_head * KV_GROUP
+
+
+@gluon.jit
+def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
+    """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V and the first
+    STAGES-1 query tiles on their way. Returns those and (q_first, n_vis, total): the query tiles that see
+    this key tile (causal, top-left: queries from k_start on), per query head and over the group."""
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
+    if is_causal:
+        q_first = k_start
+    else:
+        q_first = k_start * 0
+    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
+    total = KV_GROUP * n_vis
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for i in gl.static_range(STAGES - 1):
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
+                          N_QUERIES, BLOCK_M, STAGES)
+    return k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total
+
+
+@gluon.jit
+def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
+    """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_bar)
+    out_smem = gl.allocate_shared_memory(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
+    out_smem.index(0).store((dk * scale).to(dtype))
+    out_smem.index(1).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
@@ -108,13 +169,7 @@ def flash_bwd_kv_gluon_kernel(
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head = gl.program_id(0)
-    k_start = gl.program_id(1) * BLOCK_N
-    n_kv_heads = N_HEADS // KV_GROUP
-    batch = batch_kv_head // n_kv_heads
-    kv_head = batch_kv_head % n_kv_heads
-    kv_row = batch_kv_head * N_KEYS + k_start
-    first_head = batch * N_HEADS + kv_head * KV_GROUP  # (batch·H) index of the group's first query head
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -125,30 +180,8 @@ def flash_bwd_kv_gluon_kernel(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of Sᵀ)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(kv_bar, count=1)
-
-    # Query tiles that see this key tile: causal (top-left), queries from k_start on.
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
-    for i in gl.static_range(STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
-                          N_QUERIES, BLOCK_M, STAGES)
+    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
+        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
 
     qk_scale = scale * LOG2E
     offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -191,16 +224,7 @@ def flash_bwd_kv_gluon_kernel(
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-    mbarrier.invalidate(kv_bar)
-    out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], dk_desc.layout)
-    out_smem.index(0).store((dk * scale).to(dtype))
-    out_smem.index(1).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
-    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
-    tma.store_wait(pendings=0)
+    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 @gluon.jit
@@ -263,13 +287,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
         barrier, issue dK += dSᵀ·Q, wait dV, dK
     BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per 64 rows of both layouts)."""
     dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head = gl.program_id(0)
-    k_start = gl.program_id(1) * BLOCK_N
-    n_kv_heads = N_HEADS // KV_GROUP
-    batch = batch_kv_head // n_kv_heads
-    kv_head = batch_kv_head % n_kv_heads
-    kv_row = batch_kv_head * N_KEYS + k_start
-    first_head = batch * N_HEADS + kv_head * KV_GROUP
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -279,31 +297,10 @@ def flash_bwd_kv_qrows_gluon_kernel(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
+        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(kv_bar, count=1)
-
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
-    for i in gl.static_range(STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
-                          N_QUERIES, BLOCK_M, STAGES)
 
     qk_scale = scale * LOG2E
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
@@ -333,16 +330,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
                 L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
                 BLOCK_M, STAGES, False)
 
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-    mbarrier.invalidate(kv_bar)
-    out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], dk_desc.layout)
-    out_smem.index(0).store((dk * scale).to(dtype))
-    out_smem.index(1).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
-    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
-    tma.store_wait(pendings=0)
+    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -159,22 +159,14 @@ def _bwd_kv_tiles(
     dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
     Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr, QROWS: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
-    """dK, dV of one key tile over query tiles [start, stop).
+    """dK, dV of one key tile over query tiles [start, stop), in transposed form (keys on rows).
 
-    By default S and dP are computed transposed (keys on rows: Sᵀ = K·Qᵀ), so Pᵀ and dSᵀ are the
-    register operands of dV += Pᵀ·dO and dK += dSᵀ·Q. With QROWS they are computed with the queries
-    on rows (S = Q·Kᵀ, FlashAttention-3's layout: wide matmuls, two L/delta values per thread), and P,
-    dS reach dV's and dK's matmuls transposed, through shared memory.
     Query rows past N_QUERIES load as zeros (q, dO, L, delta), so they add nothing to dK, dV.
     With DQ_ATOMIC, dQ += dS·K of each tile pair is added to the fp32 accumulator `dq_dst`
     (a TMA descriptor, or a pointer to the (N_QUERIES, D) rows with row stride D).
     """
-    if QROWS:
-        return _bwd_kv_tiles_qrows(dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop,
-                                   N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, MASKED, DQ_ATOMIC, CHECK_Q, CHECK_D,
-                                   USE_TMA, PRECISION)
     for q_start in range(start, stop, Q_TILE_SIZE):
         q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
         do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
@@ -200,46 +192,6 @@ def _bwd_kv_tiles(
         dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)      # (Bq, D), unscaled
-            if USE_TMA:
-                dq_dst.atomic_add([q_start, 0], dq)
-            else:
-                offs_d = tl.arange(0, D_TILE)
-                ptrs = dq_dst + offs_q[:, None] * D_TILE + offs_d[None, :]
-                if CHECK_Q:
-                    tl.atomic_add(ptrs, dq, mask=(offs_q < N_QUERIES)[:, None], sem="relaxed")
-                else:
-                    tl.atomic_add(ptrs, dq, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _bwd_kv_tiles_qrows(
-    dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
-    Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """`_bwd_kv_tiles` with the queries on rows (QROWS); dP's matmul issued first."""
-    for q_start in range(start, stop, Q_TILE_SIZE):
-        q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-        do = _load_tile(do_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
-        offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
-        if CHECK_Q:
-            in_range = offs_q < N_QUERIES
-            lse = tl.load(L_ptr + offs_q, mask=in_range, other=0.0) * LOG2E
-            delta = tl.load(Delta_ptr + offs_q, mask=in_range, other=0.0)
-        else:
-            lse = tl.load(L_ptr + offs_q) * LOG2E
-            delta = tl.load(Delta_ptr + offs_q)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)             # (Bq, Bk), unscaled
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)           # (Bq, Bk)
-        p = tl.math.exp2(s * qk_scale - lse[:, None])
-        if MASKED:
-            p = tl.where(offs_q[:, None] >= offs_k[None, :], p, 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        dk = tl.dot(tl.trans(ds), q, dk, input_precision=PRECISION)
-        if DQ_ATOMIC:
-            dq = tl.dot(ds, k, input_precision=PRECISION)                 # (Bq, D), unscaled
             if USE_TMA:
                 dq_dst.atomic_add([q_start, 0], dq)
             else:
@@ -560,7 +512,7 @@ def flash_bwd_kv_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, SPLIT: tl.constexpr, QROWS: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, SPLIT: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles[, query chunks]); key tile 0 (the longest under causal masking) first.
@@ -604,11 +556,11 @@ def flash_bwd_kv_kernel(
         lo, hi = _in_chunk(start, full_start, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST, QROWS)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
         lo, hi = _in_chunk(full_start, N_QUERIES, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST, QROWS)
+                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -709,8 +661,8 @@ def _autotuned(fn, configs, extra_key=(), reset_to_zero=None):
 
 flash_fwd_autotuned = _autotuned(flash_fwd_kernel, FWD_CONFIGS + LARGE_D_FWD, ["SPLIT"])
 # the atomic design accumulates into dQacc: each config the autotuner times starts from zeros
-flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV,
-                                    ["DQ_ATOMIC", "DP_FIRST", "SPLIT", "QROWS"], ["dQacc_ptr"])
+flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV, ["DQ_ATOMIC", "DP_FIRST", "SPLIT"],
+                                    ["dQacc_ptr"])
 flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ,
                                     ["DP_FIRST", "FUSED_PREP", "COPY_DO", "SPLIT"])
 
@@ -770,13 +722,10 @@ KERNELS: dict[str, KernelSpec] = {
     "flash_fwd": KernelSpec("flash_fwd", flash_fwd_kernel, flash_fwd_autotuned, _WIDE_Q_K),
     "flash_bwd_kv_atomic": KernelSpec(
         "flash_bwd_kv_atomic", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
-        (("DQ_ATOMIC", True), ("DP_FIRST", True), ("QROWS", False))),
+        (("DQ_ATOMIC", True), ("DP_FIRST", True))),
     "flash_bwd_kv": KernelSpec(
         "flash_bwd_kv", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
-        (("DQ_ATOMIC", False), ("DP_FIRST", True), ("QROWS", False))),
-    "flash_bwd_kv_qrows": KernelSpec(
-        "flash_bwd_kv_qrows", flash_bwd_kv_kernel, flash_bwd_kv_autotuned, _WIDE_KV,
-        (("DQ_ATOMIC", False), ("DP_FIRST", True), ("QROWS", True))),
+        (("DQ_ATOMIC", False), ("DP_FIRST", True))),
     "flash_bwd_dq": KernelSpec(
         "flash_bwd_dq", flash_bwd_dq_kernel, flash_bwd_dq_autotuned,
         ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128)),
@@ -808,10 +757,11 @@ class KernelOptions:
     # contiguous, whole tiles, an unsplit grid) and the call is long enough for its launch (GLUON_MIN_WORK),
     # True wherever it applies (with `configs`' "kv" entry as its config when not autotuning), False never.
     gluon_kv: bool | None = None
-    # The dK/dV pass computes S and dP with the queries on rows, P and dS reaching dV's and dK's matmuls
-    # through shared memory (FlashAttention-3's layout). None: the faster layout of each build on the H200
-    # (queries on rows in Gluon, keys on rows in Triton; NOTES.md, session 14); True / False: that layout.
-    kv_qrows: bool | None = None
+    # The Gluon dK/dV pass computes S and dP with the queries on rows, P and dS reaching dV's and dK's matmuls
+    # through shared memory (FlashAttention-3's layout; flash_gluon.flash_bwd_kv_qrows_gluon_kernel). False: the
+    # keys-on-rows Gluon kernel. (The Triton pass has the keys on rows; the queries on rows in Triton lost
+    # 17-51% on the H200 and was removed: NOTES.md, session 14.)
+    kv_qrows: bool = True
     # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
     # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,
     # contiguous, whole 64-row tiles) and the call is long enough for its launch (GLUON_MIN_WORK), True
@@ -1189,17 +1139,16 @@ def flash_backward_triton(
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
     gluon_kv = batch * heads * n_q * n_k >= GLUON_MIN_WORK if opts.gluon_kv is None else opts.gluon_kv
     if gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
-        qrows = opts.kv_qrows is not False
         gluon_config = dict(opts.configs).get("kv") if opts.gluon_kv and not opts.autotune else None
-        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, qrows):
+        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows):
             flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
-                                cached=not launch_hooks_installed(), qrows=qrows)
+                                cached=not launch_hooks_installed(), qrows=opts.kv_qrows)
             return dq, dk, dv
     _kv_launch(
         TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
         (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
          do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
-        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), QROWS=bool(opts.kv_qrows),
+        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
     )
     if kv_chunk:
         _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)

@@ -9,8 +9,8 @@ SDPA's flash and cuDNN backends in the same process:
                            the deterministic two-pass backward (kv configs run with the plan's fixed
                            dq config, then dq configs with the best kv config); -prep: with the
                            delta pre-pass kernel instead of the dQ pass computing delta (fused_prep);
-                           -gluon: the dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv);
-                           -qrows: the dK/dV pass with the queries on rows (kv_qrows).
+                           -gluon: the keys-on-rows dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv,
+                           kv_qrows=False); -gluon-qrows: its queries-on-rows pass (the shipped one).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
@@ -136,14 +136,13 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
-    # run 15: the dK/dV pass with the queries on rows (FlashAttention-3's layout, kv_qrows), in Triton (8-warp
-    # tiles: Triton computes S and dP of a 64-query tile in both warpgroups) and in Gluon (BLOCK_M = BLOCK_N =
-    # 16·warps), against the shipped Triton pass
+    # run 15: the dK/dV pass with the queries on rows (FlashAttention-3's layout, kv_qrows) in Gluon (BLOCK_M =
+    # BLOCK_N = 16·warps) against the Triton pass; run 15 (commit 4a99fa6) also timed it in Triton, design
+    # bwd/det-tma-qrows at (64, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3): it lost and was removed
     "qrows": dict(
         shape=SHAPE,
         fwd={},
         kv={"bwd/det-tma": [(32, 128, 4, 3)],
-            "bwd/det-tma-qrows": [(64, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
             "bwd/det-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
@@ -179,8 +178,10 @@ def options(design: str, configs: dict):
     from cs336_systems.flash_triton import KernelOptions
 
     kind, mode = design.split("/")
-    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon][-qrows]
+    parts = mode.split("-")  # [det|atomic-]<tma|ptr>[-prep][-gluon[-qrows]]
     gluon = "gluon" in parts
+    if "qrows" in parts and not gluon:
+        raise ValueError(f"{design}: the queries-on-rows Triton pass was removed after run 15 (commit 4a99fa6 has it)")
     return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
                          fused_prep="prep" not in parts, gluon_kv=gluon and kind == "bwd", kv_qrows="qrows" in parts,
                          gluon_fwd=gluon and kind == "fwd", configs=tuple(sorted(configs.items())))
