@@ -278,8 +278,8 @@ def flash_bwd_kv_qrows_gluon_kernel(
     S = Q·Kᵀ and dP = dO·Vᵀ are (BLOCK_M queries, BLOCK_N keys), one warpgroup per 64 queries (so the
     matmuls are BLOCK_N wide and each thread holds L and delta of two rows); P and dS go to shared memory
     in Q's dtype, and dV += Pᵀ·dO, dK += dSᵀ·Q read them back transposed, one warpgroup per 64 keys (both
-    operands from shared memory). Per query tile t:
-        issue  S, dP                                   wait S (dV, dK of tile t-1 retired too)
+    operands from shared memory). Per query tile t (`_kv_qrows_tile`):
+        issue  S, dP                                   wait S
         barrier (every warpgroup past tile t-1: P, dS and t-1's stage free)   TMA tile t+STAGES-1
         P = exp2(S·scale·log2 e - L) -> shared         (runs under dP's matmul)
         barrier, issue dV += Pᵀ·dO                     wait dP
@@ -534,7 +534,8 @@ def flash_fwd_gluon_kernel(
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
 # (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
-# the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`): BLOCK_M = BLOCK_N = 16·num_warps
+# the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`; BLOCK_M = BLOCK_N = 16·num_warps):
+# the best of the H200 sweeps (runs/kernels, plans qrows2 and qrows128; NOTES.md, session 14)
 QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
@@ -620,8 +621,8 @@ GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
 # the alignment of the pointer arguments): (its C launch or None, the compiled kernel). Later launches skip
 # the JIT's argument binder and Triton's per-launch Python and call the C launch (`kernel_launch.CLaunch`),
 # whose wrapper turns the host-side TensorDescriptors into TMA descriptors; where it is None, the compiled
-# kernel's runner. The signature must hold everything the compiled code bakes in: a kernel compiled for another head
-# dim, called with these descriptors, reads tiles of the wrong size.
+# kernel's runner. The signature must hold everything the compiled code bakes in: a kernel compiled for
+# another head dim, called with these descriptors, reads tiles of the wrong size.
 _COMPILED: dict[tuple, tuple[CLaunch | None, object]] = {}
 
 
