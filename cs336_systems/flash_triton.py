@@ -879,6 +879,16 @@ def _tma_wanted(opts: KernelOptions) -> bool:
     return _tma_default() if opts.tma is None else opts.tma
 
 
+def _gluon_choice(opts: KernelOptions, flag: bool | None, kernel: str, work: int) -> tuple[bool, tuple | None]:
+    """Whether a pass asks for its Gluon kernel (`flag`: KernelOptions.gluon_fwd or gluon_kv; None: where the
+    call's batch·heads·Nq·Nk reaches GLUON_MIN_WORK), and the config it hands over: the options' entry for
+    `kernel` ("fwd", "kv") only when the Gluon kernel was asked for explicitly without autotuning (a sweep's
+    fixed Triton config is not a Gluon config)."""
+    wanted = work >= GLUON_MIN_WORK if flag is None else flag
+    config = dict(opts.configs).get(kernel) if flag and not opts.autotune else None
+    return wanted, config
+
+
 def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
     use = _tma_wanted(opts) and _tma_ok(*tensors)
     if use:
@@ -1051,9 +1061,8 @@ def flash_forward_triton(
     d_tile = padded_dim(d)
     scale = d ** -0.5 if scale is None else scale
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
-    gluon = batch * heads * n_q * n_k >= GLUON_MIN_WORK if opts.gluon_fwd is None else opts.gluon_fwd
+    gluon, gluon_config = _gluon_choice(opts, opts.gluon_fwd, "fwd", batch * heads * n_q * n_k)
     if gluon and not chunk and _tma_wanted(opts):
-        gluon_config = dict(opts.configs).get("fwd") if opts.gluon_fwd and not opts.autotune else None
         if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
             flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, scale, gluon_config,
                                 cached=not launch_hooks_installed())
@@ -1137,9 +1146,8 @@ def flash_backward_triton(
         )
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    gluon_kv = batch * heads * n_q * n_k >= GLUON_MIN_WORK if opts.gluon_kv is None else opts.gluon_kv
+    gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
     if gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
-        gluon_config = dict(opts.configs).get("kv") if opts.gluon_kv and not opts.autotune else None
         if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows):
             flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
                                 cached=not launch_hooks_installed(), qrows=opts.kv_qrows)
