@@ -230,7 +230,8 @@ def flash_bwd_kv_gluon_kernel(
 @gluon.jit
 def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+                   dq_ptr, dq_offs, zero_dq,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
     MASKED: the tile on the diagonal. Every wgmma is retired before it returns: one in flight across the
     caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
@@ -261,17 +262,25 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     ds_smem.store(ds.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    if DQ_ATOMIC:  # dQ = dS·K first: its fp32 atomics run under dK's matmul
+        dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+        dq = warpgroup_mma_wait(1, deps=(dq, ))
+        D: gl.constexpr = zero_dq.shape[1]
+        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M).to(gl.int64)
+        gl.atomic_add(dq_ptr + row * D + dq_offs, dq, sem="relaxed")
+    else:
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv, lse_next, delta_next
 
 
 @gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dQacc_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
 ):
     """`flash_bwd_kv_gluon_kernel` with the queries on rows (FlashAttention-3's backward layout).
 
@@ -309,6 +318,10 @@ def flash_bwd_kv_qrows_gluon_kernel(
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by atomics
+    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+    dq_offs = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)), 1) * D
+               + gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout)), 0))
     mbarrier.wait(kv_bar, 0)
 
     # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
@@ -320,7 +333,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
                 dk, dv, lse, delta = _kv_qrows_tile(
                     t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                     L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                    BLOCK_M, STAGES, True)
+                    dQacc_ptr, dq_offs, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
             first = 1
         else:
             first = 0
@@ -328,7 +341,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
             dk, dv, lse, delta = _kv_qrows_tile(
                 t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                 L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                BLOCK_M, STAGES, False)
+                dQacc_ptr, dq_offs, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
 
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
@@ -647,32 +660,41 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
 
 
 def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
-                    qrows: bool = False):
-    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch."""
+                    qrows: bool = False, dq_acc=None):
+    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass)."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or (QROWS_CONFIGS if qrows else CONFIGS)[d]
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per "
                          f"64 rows), got {config}")
+    if dq_acc is not None and not qrows:
+        raise ValueError("the single-pass backward (dq_acc) runs only in the queries-on-rows kernel (qrows=True)")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
-            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta, heads, heads // kv_heads, n_q, n_k, scale)
+            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta)
+    if qrows:  # the fp32 dQ accumulator (the single pass), or L as an untouched stand-in
+        args += (lse if dq_acc is None else dq_acc, )
+        constexprs = dict(constexprs, DQ_ATOMIC=dq_acc is not None)
+        constexprs["num_warps"] = constexprs.pop("num_warps")  # last, as the kernel declares it
+    args += (heads, heads // kv_heads, n_q, n_k, scale)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal,
-           heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0)
+           heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
+           dq_acc is not None and dq_acc.data_ptr() % 16 == 0, dq_acc is not None)
     kernel = flash_bwd_kv_qrows_gluon_kernel if qrows else flash_bwd_kv_gluon_kernel
     return kernel, grid, args, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, qrows: bool = False) -> None:
+            cached: bool = True, qrows: bool = False, dq_acc=None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows`; lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which
     only Triton's own launch path calls) launches through the JIT every time. qrows: the kernel with the
-    queries on rows (`flash_bwd_kv_qrows_gluon_kernel`)."""
+    queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc (with qrows): the single pass, which also adds
+    dQ = dS·K (unscaled) of every tile into this zeroed fp32 (B·H·Nq, D) accumulator with atomics."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
-                                                          config, qrows)
+                                                          config, qrows, dq_acc)
     _launch(kernel, grid, args, constexprs, key, cached)
 
 

@@ -1147,17 +1147,20 @@ def flash_backward_triton(
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
     gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
-    if gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles and common["USE_TMA"]:
-        if flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows):
-            flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
-                                cached=not launch_hooks_installed(), qrows=opts.kv_qrows)
-            return dq, dk, dv
-    _kv_launch(
-        TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
-        (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
-         do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
-        opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
-    )
+    # (the single pass runs in Gluon only in the queries-on-rows kernel)
+    gluon_kv = (gluon_kv and (opts.kv_qrows or not atomic) and not kv_chunk and opts.skip_masked_tiles
+                and common["USE_TMA"] and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
+    if gluon_kv:
+        flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
+                            cached=not launch_hooks_installed(), qrows=opts.kv_qrows,
+                            dq_acc=dq_acc.view(-1, d) if atomic else None)
+    else:
+        _kv_launch(
+            TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
+            (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
+             do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
+            opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
+        )
     if kv_chunk:
         _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
     if atomic:

@@ -265,17 +265,20 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, glu
 
 @pytest.mark.parametrize("opts,min_work,expected", [
     ({}, 1 << 30, ("triton",)),                                # default: only calls of 2^30+ work ...
-    ({}, 1, ("gluon", True, None)),                            # ... which take the queries-on-rows Gluon pass
-    ({"kv_qrows": False}, 1, ("gluon", False, None)),
+    ({}, 1, ("gluon", True, None, False)),                     # ... which take the queries-on-rows Gluon pass
+    ({"kv_qrows": False}, 1, ("gluon", False, None, False)),
     ({"gluon_kv": False}, 1, ("triton",)),
-    ({"gluon_kv": True}, 1 << 30, ("gluon", True, None)),      # wherever it applies
+    ({"gluon_kv": True}, 1 << 30, ("gluon", True, None, False)),  # wherever it applies
     ({"gluon_kv": True, "autotune": False, "configs": (("kv", (128, 128, 8, 2)),)}, 1 << 30,
-     ("gluon", True, (128, 128, 8, 2))),
+     ("gluon", True, (128, 128, 8, 2), False)),
     # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
-    ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, ("gluon", True, None)),
-    ({"deterministic": False}, 1, ("triton",)),                # the atomic design has no Gluon pass
+    ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, ("gluon", True, None, False)),
+    # the single pass (atomic dQ) runs in Gluon only in the queries-on-rows kernel
+    ({"deterministic": False}, 1, ("gluon", True, None, True)),
+    ({"deterministic": False, "kv_qrows": False}, 1, ("triton",)),
+    ({"deterministic": False}, 1 << 30, ("triton",)),
 ], ids=["default-small", "default-large", "keys-on-rows", "off", "on", "on-with-config", "auto-keeps-triton-config",
-        "atomic"])
+        "atomic", "atomic-keys-on-rows", "atomic-small"])
 def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, expected):
     """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon pass (queries on
     rows unless kv_qrows=False) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
@@ -288,7 +291,8 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, expecte
     monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
     monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, **kw: True)
-    monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(("gluon", kw["qrows"], a[10])))
+    monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(
+        ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))
     monkeypatch.setattr(ft, "_kv_launch", lambda *a, **kw: calls.append(("triton",)))
     for launcher in ("_dq_launch", "_prep_launch", "_cast_launch"):
         monkeypatch.setattr(ft, launcher, lambda *a, **kw: None)

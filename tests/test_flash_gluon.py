@@ -25,20 +25,22 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qrows", [False, True], ids=["keys-on-rows", "queries-on-rows"])
+@pytest.mark.parametrize("kernel", ["keys-on-rows", "queries-on-rows", "single-pass"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_kv_pass_meets_2x_rule(case, is_causal, qrows):
-    """Both dK/dV kernels: keys on rows (`flash_bwd_kv_gluon_kernel`) and queries on rows
-    (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows)."""
+def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
+    """The dK/dV kernels: keys on rows (`flash_bwd_kv_gluon_kernel`), queries on rows
+    (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows), and the latter as the single pass with dQ
+    by fp32 atomics (KernelOptions.deterministic=False)."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
     q, do = (randn_cuda(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
     k, v = (randn_cuda(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
+    qrows = kernel != "keys-on-rows"
     assert flash_gluon.supported(q, k, v, do, qrows=qrows), "the case must take the Gluon path"
-    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows)
+    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows, deterministic=kernel != "single-pass")
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
     ours = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
 

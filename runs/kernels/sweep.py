@@ -165,6 +165,24 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
+    # run 17: the queries-on-rows pass as the single-pass backward (dQ = dS·K added with fp32 atomics, five
+    # matmuls) against the shipped two-pass design
+    "single_qrows": dict(
+        shape=SHAPE,
+        fwd={},
+        kv={"bwd/det-tma-gluon-qrows": [(64, 64, 4, 2)],
+            "bwd/atomic-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
+    "single_qrows128": dict(
+        shape=(1, 1, 65536, 128),
+        fwd={},
+        kv={"bwd/det-tma-gluon-qrows": [(64, 64, 4, 2)],
+            "bwd/atomic-tma-gluon-qrows": [(64, 64, 4, 2)]},
+        dq=[(128, 64, 8, 3)],
+        dq_fixed=(128, 64, 8, 3),
+    ),
 }
 
 
