@@ -57,7 +57,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir
 
 from cs336_systems.kernel_launch import CLaunch
 
@@ -65,6 +67,15 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
 REGS_3WG = gl.constexpr(160)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[desc at coord] += shared `src` as one asynchronous TMA bulk reduction (cp.reduce.async.bulk),
+    completed like a TMA store (`tma.store_wait`). Gluon 3.6 builds the op (its builder's
+    `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -230,7 +241,7 @@ def flash_bwd_kv_gluon_kernel(
 @gluon.jit
 def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                   dq_ptr, dq_offs, zero_dq,
+                   dq_desc, dq_smem, zero_dq,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
     MASKED: the tile on the diagonal. Every wgmma is retired before it returns: one in flight across the
@@ -266,9 +277,12 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
         dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(1, deps=(dq, ))
-        D: gl.constexpr = zero_dq.shape[1]
-        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M).to(gl.int64)
-        gl.atomic_add(dq_ptr + row * D + dq_offs, dq, sem="relaxed")
+        # through buffer t % 2, once the reduction that last read it (tile t-2's) is done
+        tma.store_wait(pendings=1)
+        buf = dq_smem.index(t % 2)
+        buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
     else:
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -277,7 +291,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
 
 @gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dQacc_ptr,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
@@ -320,8 +334,10 @@ def flash_bwd_kv_qrows_gluon_kernel(
     lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by atomics
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
-    dq_offs = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)), 1) * D
-               + gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout)), 0))
+    if DQ_ATOMIC:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
+    else:
+        dq_smem = k_smem  # unused
     mbarrier.wait(kv_bar, 0)
 
     # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
@@ -333,7 +349,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
                 dk, dv, lse, delta = _kv_qrows_tile(
                     t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                     L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                    dQacc_ptr, dq_offs, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
+                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
             first = 1
         else:
             first = 0
@@ -341,7 +357,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
             dk, dv, lse, delta = _kv_qrows_tile(
                 t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                 L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                dQacc_ptr, dq_offs, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
+                dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
 
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
@@ -597,7 +613,7 @@ def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=N
 
 @functools.cache
 def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES.get(dtype, gl.float32))  # fp32: dQ's
 
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -674,14 +690,14 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta)
-    if qrows:  # the fp32 dQ accumulator (the single pass), or L as an untouched stand-in
-        args += (lse if dq_acc is None else dq_acc, )
+    if qrows:  # the fp32 dQ accumulator (the single pass), or dK's as an untouched stand-in
+        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
         constexprs = dict(constexprs, DQ_ATOMIC=dq_acc is not None)
         constexprs["num_warps"] = constexprs.pop("num_warps")  # last, as the kernel declares it
     args += (heads, heads // kv_heads, n_q, n_k, scale)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal,
            heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None and dq_acc.data_ptr() % 16 == 0, dq_acc is not None)
+           dq_acc is not None)
     kernel = flash_bwd_kv_qrows_gluon_kernel if qrows else flash_bwd_kv_gluon_kernel
     return kernel, grid, args, constexprs, key
 
