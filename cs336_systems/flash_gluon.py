@@ -279,6 +279,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
         dq = warpgroup_mma_wait(1, deps=(dq, ))
         # through buffer t % 2, once the reduction that last read it (tile t-2's) is done
         tma.store_wait(pendings=1)
+        gl.thread_barrier()  # (the wait holds only in the thread that issued the reductions)
         buf = dq_smem.index(t % 2)
         buf.store(dq)
         fence_async_shared()
@@ -358,6 +359,9 @@ def flash_bwd_kv_qrows_gluon_kernel(
                 t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                 L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
                 dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
+    if DQ_ATOMIC:  # the last reductions read dq_smem, whose space the epilogue may reuse
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
 
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 

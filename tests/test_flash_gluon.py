@@ -56,17 +56,19 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "single-pass"])
 @pytest.mark.parametrize("config", [(128, 128, 8, 2), (64, 64, 4, 3)])
-def test_gluon_kv_qrows_configs_meet_2x_rule(config):
-    """The queries-on-rows dK/dV pass at its other configs (two warpgroups of 64 rows; three stages),
-    causal with GQA."""
+def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
+    """The queries-on-rows dK/dV pass (and the single pass built on it) at its other configs (two
+    warpgroups of 64 rows; three stages), causal with GQA."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     q, do = (randn_cuda(2, 4, 1024, 64, seed=80 + i, dtype=torch.bfloat16) for i in range(2))
     k, v = (randn_cuda(2, 2, 1024, 64, seed=82 + i, dtype=torch.bfloat16) for i in range(2))
     assert flash_gluon.supported(q, k, v, do, config, qrows=True)
-    opts = KernelOptions(gluon_kv=True, kv_qrows=True, autotune=False, configs=(("kv", config),))
+    opts = KernelOptions(gluon_kv=True, kv_qrows=True, autotune=False, configs=(("kv", config),),
+                         deterministic=deterministic)
     o, lse = flash_forward_triton(q, k, v, True, opts)
     ours = flash_backward_triton(q, k, v, o, lse, do, True, opts)
 

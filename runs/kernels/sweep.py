@@ -165,13 +165,14 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
-    # run 17: the queries-on-rows pass as the single-pass backward (dQ = dS·K added with fp32 atomics, five
-    # matmuls) against the shipped two-pass design
+    # runs 17-19: the queries-on-rows pass as the single-pass backward (dQ = dS·K added in fp32: red.global in
+    # run 17 (commit 97b0bd9), TMA bulk reductions after), against the shipped two-pass design and the Triton
+    # single pass
     "single_qrows": dict(
         shape=SHAPE,
         fwd={},
-        kv={"bwd/det-tma-gluon-qrows": [(64, 64, 4, 2)],
-            "bwd/atomic-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3)]},
+        kv={"bwd/det-tma-gluon-qrows": [(64, 64, 4, 2)], "bwd/atomic-tma": [(64, 64, 4, 3)],
+            "bwd/atomic-tma-gluon-qrows": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
