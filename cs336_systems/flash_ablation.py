@@ -1,15 +1,16 @@
 """The leaderboard ablation: FlashAttention-2 variants, each adding one step to the one before.
 
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
-TMA descriptors, deterministic two-pass backward whose passes issue dP's matmul before P's
-exponentials, and whose dQ pass, run first, computes delta and copies an expanded dO itself; on
-large sm_90 calls the forward and the dK/dV pass in Gluon, FlashAttention-3's schedule and layout).
-"gluon_fwd" is the same with the Triton dK/dV pass everywhere (`gluon_kv=False`), "fused_prep" also with
-the Triton forward (`gluon_fwd=False`).
+TMA descriptors; on large sm_90 calls the forward in Gluon (FlashAttention-3's schedule) and, at d 64,
+the single-pass backward in Gluon: FlashAttention-3's layout, dQ added by TMA bulk reductions; elsewhere
+the two-pass backward, whose passes issue dP's matmul before P's exponentials and whose dQ pass, run
+first, computes delta and copies an expanded dO itself). "gluon_kv" is the deterministic two-pass
+backward (`deterministic=True`) with its dK/dV pass in Gluon, "gluon_fwd" the same with the Triton dK/dV
+pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
-"atomic_dq" is the alternative backward: the single-pass backward with fp32 atomic dQ
-(`deterministic=False`), measured slower on the H200. The steps before "tma" load tiles through
+"atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`), measured
+slower than the two-pass design on the H200. The steps before "tma" load tiles through
 block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
 `runs/README.md` has the table. Non-shipped variants launch eagerly (a graph break under
 torch.compile).
@@ -37,8 +38,9 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "atomic_dq": autograd_function("FlashAtomicDq", KernelOptions(deterministic=False, **_TRITON_ONLY)),
     "dp_first": autograd_function("FlashDpFirst", KernelOptions(fused_prep=False, **_TRITON_ONLY)),
     "fused_prep": autograd_function("FlashFusedPrep", KernelOptions(**_TRITON_ONLY)),
-    "gluon_fwd": autograd_function("FlashGluonFwd", KernelOptions(gluon_kv=False)),
-    "gluon_kv": FlashAttention2Triton,
+    "gluon_fwd": autograd_function("FlashGluonFwd", KernelOptions(gluon_kv=False, deterministic=True)),
+    "gluon_kv": autograd_function("FlashGluonKv", KernelOptions(deterministic=True)),
+    "single_pass": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]

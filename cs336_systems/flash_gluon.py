@@ -570,6 +570,9 @@ CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 # the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`; BLOCK_M = BLOCK_N = 16·num_warps):
 # the best of the H200 sweeps (runs/kernels, plans qrows2 and qrows128; NOTES.md, session 14)
 QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+# the same kernel as the single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
+# (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
+SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
@@ -594,11 +597,14 @@ def _takes(tensors, d: int, configs: dict) -> bool:
 
 
 def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
-              qrows: bool = False) -> bool:
-    """Whether `kv_pass` (with `qrows`) takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128,
-    contiguous, whole tiles."""
+              qrows: bool = False, single_pass: bool = False) -> bool:
+    """Whether `kv_pass` (with `qrows`; with a dQ accumulator if `single_pass`) takes these (B, H, S, D)
+    tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the single pass d 64), contiguous, whole
+    tiles."""
     d = q4.shape[-1]
-    configs = QROWS_CONFIGS if qrows else CONFIGS
+    if single_pass and not qrows:
+        return False
+    configs = SINGLE_PASS_CONFIGS if single_pass else QROWS_CONFIGS if qrows else CONFIGS
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
@@ -637,17 +643,19 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         config = FWD_CONFIGS[d]
         _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
-    if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon"):
-        qrows = name == "flash_bwd_kv_qrows_gluon"
-        config = (QROWS_CONFIGS if qrows else CONFIGS)[d]
-        kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows)
+    if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon"):
+        qrows = name != "flash_bwd_kv_gluon"
+        dq_acc = torch.empty(heads, seq, d) if name == "flash_bwd_single_pass_gluon" else None
+        config = GLUON_KERNELS[name][d]
+        kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows,
+                                                         dq_acc)
         return kernel, args, constexprs, constexprs["num_warps"], config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
 GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
-                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS}
+                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
@@ -684,7 +692,8 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass)."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    block_m, block_n, warps, stages = config or (QROWS_CONFIGS if qrows else CONFIGS)[d]
+    block_m, block_n, warps, stages = config or (
+        SINGLE_PASS_CONFIGS if dq_acc is not None else QROWS_CONFIGS if qrows else CONFIGS)[d]
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per "
                          f"64 rows), got {config}")
@@ -709,10 +718,11 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
             cached: bool = True, qrows: bool = False, dq_acc=None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
-    `qrows`; lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which
-    only Triton's own launch path calls) launches through the JIT every time. qrows: the kernel with the
+    `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
+    launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time. qrows: the kernel with the
     queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc (with qrows): the single pass, which also adds
-    dQ = dS·K (unscaled) of every tile into this zeroed fp32 (B·H·Nq, D) accumulator with atomics."""
+    dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by TMA
+    bulk reductions."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
                                                           config, qrows, dq_acc)
     _launch(kernel, grid, args, constexprs, key, cached)

@@ -748,7 +748,11 @@ class KernelOptions:
     triton_backward: bool = True     # False: torch.compile'd PyTorch backward
     skip_masked_tiles: bool = True   # False: causal visits every tile and masks it
     autotune: bool = True            # False: one fixed config per kernel
-    deterministic: bool = True       # False: single-pass backward, dQ by fp32 atomics (not bitwise repeatable)
+    # True: the two-pass backward (bitwise repeatable). False: the single pass, dQ added in fp32 by atomics
+    # or TMA reductions (not bitwise repeatable). None: the single pass where its Gluon kernel applies
+    # (flash_gluon.supported(single_pass=True); the kv pass's gluon_kv/GLUON_MIN_WORK rule) and the options
+    # keep the Gluon queries-on-rows pass, else the two-pass (faster than the Triton single pass everywhere).
+    deterministic: bool | None = None
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
     fused_prep: bool = True          # two-pass backward: the dQ pass (run first) computes delta and
@@ -792,6 +796,7 @@ SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
 GLUON_MIN_WORK = 1 << 30
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (split_rows)
 DEFAULT_OPTIONS = KernelOptions()
+DETERMINISTIC_OPTIONS = KernelOptions(deterministic=True)
 ATOMIC_OPTIONS = KernelOptions(deterministic=False)
 # (Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages) when not autotuning: a plain first kernel.
 FIXED_CONFIG = (16, 16, 1, 1) if INTERPRET else (64, 64, 4, 3)
@@ -1091,21 +1096,25 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
-    atomic = not opts.deterministic
-    fused = opts.fused_prep and not atomic
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
     inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
+    gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
+    # the single pass in Gluon (queries on rows, dQ by TMA reductions; dO made contiguous for it)
+    gluon_single = (gluon_kv and opts.deterministic is not True and opts.kv_qrows and opts.skip_masked_tiles
+                    and inputs_tma and flash_gluon.supported(q4, k4, v4, q4, gluon_config, True, single_pass=True))
+    atomic = opts.deterministic is False or gluon_single
+    fused = opts.fused_prep and not atomic
     # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
     # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
     # pass reads dO through pointers and writes the copy the dK/dV pass loads.
-    copy_do = inputs_tma and not _tma_ok(do4)
+    copy_do = inputs_tma and (not _tma_ok(do4) or gluon_single and not do4.is_contiguous())
     copy_in_dq_pass = copy_do and fused
     do_tiles = do4  # the dO the TMA-loading passes read
     if copy_in_dq_pass:
         do_tiles = torch.empty(do4.shape, device=do.device, dtype=do.dtype)
     elif copy_do:
         do4 = do_tiles = do4.contiguous()
-    batch, heads, n_q, d = q4.shape
-    kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
     scale = d ** -0.5 if scale is None else scale
     # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
@@ -1146,14 +1155,13 @@ def flash_backward_triton(
         )
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
-    # (the single pass runs in Gluon only in the queries-on-rows kernel)
-    gluon_kv = (gluon_kv and (opts.kv_qrows or not atomic) and not kv_chunk and opts.skip_masked_tiles
-                and common["USE_TMA"] and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
+    gluon_kv = gluon_single or (gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles
+                                and common["USE_TMA"]
+                                and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
     if gluon_kv:
         flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
                             cached=not launch_hooks_installed(), qrows=opts.kv_qrows,
-                            dq_acc=dq_acc.view(-1, d) if atomic else None)
+                            dq_acc=dq_acc if atomic else None)
     else:
         _kv_launch(
             TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
@@ -1220,10 +1228,9 @@ def _(q, k, v, is_causal, scale):
 @torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=(), device_types=None)
 def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, scale: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV); deterministic=False runs the single-pass atomic-dQ backward."""
-    opts = DEFAULT_OPTIONS if deterministic else ATOMIC_OPTIONS
-    return attention_backward(do, q, k, v, o, lse, is_causal, scale, opts)
+                   deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design)."""
+    return attention_backward(do, q, k, v, o, lse, is_causal, scale, _OPTIONS[deterministic])
 
 
 @flash_attn_bwd.register_fake
@@ -1240,7 +1247,7 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, True)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, _deterministic(None))
     return dq, dk, dv, None, None
 
 
@@ -1250,10 +1257,21 @@ _launch_eagerly_forward = torch.compiler.disable(attention_forward)
 _launch_eagerly_backward = torch.compiler.disable(attention_backward)
 
 
+_OPTIONS = {None: DEFAULT_OPTIONS, True: DETERMINISTIC_OPTIONS, False: ATOMIC_OPTIONS}
+
+
+def _deterministic(flag: object) -> bool | None:
+    """The backward's `deterministic` (KernelOptions.deterministic): a bool as given; None follows
+    `torch.are_deterministic_algorithms_enabled()` (True when it is on, else None: the faster design)."""
+    if flag is None:
+        return True if torch.are_deterministic_algorithms_enabled() else None
+    return check_flag("deterministic", flag)
+
+
 def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: KernelOptions):
     is_causal = check_attention_inputs(Q, K, V, is_causal, enable_gqa)
     scale = check_scale(scale, Q.shape[-1])
-    deterministic = check_flag("deterministic", deterministic)
+    deterministic = _deterministic(deterministic)
     _check_head_dim(Q.shape[-1])
     if opts is not DEFAULT_OPTIONS:  # ablation variants: the launchers run eagerly (a graph break)
         O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts)
@@ -1274,22 +1292,21 @@ def _backward(ctx, dO):
     elif torch.compiler.is_compiling():
         dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic)
     else:
-        opts = DEFAULT_OPTIONS if ctx.deterministic else ATOMIC_OPTIONS
-        dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, opts)
+        dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, _OPTIONS[ctx.deterministic])
     return dQ, dK, dV, None, None, None, None
 
 
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2: Triton forward and backward (TMA, causal tile skipping, autotuned tiles).
 
-    `FlashAttention2Triton.apply(Q, K, V, is_causal, scale=None, enable_gqa=False, deterministic=True)`
+    `FlashAttention2Triton.apply(Q, K, V, is_causal, scale=None, enable_gqa=False, deterministic=None)`
     (autograd.Function.apply takes positional arguments only) with Q (..., H, Nq, D), K and V
     (..., Hkv, Nk, D). Saves exactly one (..., H, Nq) logsumexp beside Q, K, V and O. The backward is
     not differentiable again (double backward raises).
     """
 
     @staticmethod
-    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=True):
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
         return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, DEFAULT_OPTIONS)
 
     @staticmethod
@@ -1300,7 +1317,7 @@ class FlashAttention2Triton(torch.autograd.Function):
 def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
     """An autograd.Function like FlashAttention2Triton that runs the kernels with `opts` (eagerly)."""
 
-    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=True):
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
         return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts)
 
     return type(name, (torch.autograd.Function,), {
@@ -1312,7 +1329,7 @@ def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Fun
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None,
-    enable_gqa: bool = False, deterministic: bool = True,
+    enable_gqa: bool = False, deterministic: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale [causal]) v, like `F.scaled_dot_product_attention` without a mask or dropout.
 
@@ -1320,7 +1337,10 @@ def flash_attention(
     each K/V head serves H / Hkv query heads). `scale` defaults to 1/sqrt(D). Causal masking is
     top-left aligned as in SDPA: query i sees key j iff i >= j, also when Nq != Nk. Head dims up to
     256; fp32 inputs follow `torch.get_float32_matmul_precision()` ("highest": IEEE fp32 dots, else
-    TF32); `deterministic=False` runs the single-pass backward with fp32 atomic dQ.
+    TF32). `deterministic`: True runs the two-pass backward (bitwise repeatable), False the single pass
+    (dQ added in fp32 by TMA reductions or atomics), None (default) follows
+    `torch.are_deterministic_algorithms_enabled()`: the two-pass backward when it is on, else the faster
+    of the two for the call (the single pass for large d-64 calls on sm_90, `KernelOptions.deterministic`).
     """
     return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic)
 

@@ -159,9 +159,12 @@ def test_flash_triton_tma_path_with_expanded_grad(is_causal):
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_flash_triton_backward_is_deterministic(is_causal):
+    """deterministic=True (the two-pass backward): bitwise repeatable."""
+    from cs336_systems.flash_triton import flash_attention
+
     q, k, v, do = make_inputs((2, 96, 80, 32), torch.bfloat16, DEVICE, seed=3)
-    first = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
-    second = run(IMPLS["triton"]().apply, q, k, v, do, is_causal)
+    first = run(lambda *a: flash_attention(*a, deterministic=True), q, k, v, do, is_causal)
+    second = run(lambda *a: flash_attention(*a, deterministic=True), q, k, v, do, is_causal)
     for name, x, y in zip(("O", "dQ", "dK", "dV"), first, second):
         assert torch.equal(x, y), f"{name} differs between two identical runs: max diff {max_err(x, y):.3g}"
 
@@ -263,25 +266,28 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, glu
     assert calls == ([("triton", None)] if gluon_config == "triton" else [("gluon", gluon_config)])
 
 
-@pytest.mark.parametrize("opts,min_work,expected", [
-    ({}, 1 << 30, ("triton",)),                                # default: only calls of 2^30+ work ...
-    ({}, 1, ("gluon", True, None, False)),                     # ... which take the queries-on-rows Gluon pass
-    ({"kv_qrows": False}, 1, ("gluon", False, None, False)),
-    ({"gluon_kv": False}, 1, ("triton",)),
-    ({"gluon_kv": True}, 1 << 30, ("gluon", True, None, False)),  # wherever it applies
-    ({"gluon_kv": True, "autotune": False, "configs": (("kv", (128, 128, 8, 2)),)}, 1 << 30,
+@pytest.mark.parametrize("opts,min_work,single,expected", [
+    ({}, 1 << 30, True, ("triton",)),                          # default: only calls of 2^30+ work ...
+    ({}, 1, True, ("gluon", True, None, True)),                # ... take the Gluon single pass where it applies,
+    ({}, 1, False, ("gluon", True, None, False)),              # else the queries-on-rows two-pass Gluon pass
+    ({"deterministic": True}, 1, True, ("gluon", True, None, False)),
+    ({"kv_qrows": False}, 1, True, ("gluon", False, None, False)),  # the keys-on-rows kernel has no single pass
+    ({"gluon_kv": False}, 1, True, ("triton",)),
+    ({"gluon_kv": True, "deterministic": True}, 1 << 30, True, ("gluon", True, None, False)),  # wherever it applies
+    ({"gluon_kv": True, "autotune": False, "configs": (("kv", (128, 128, 8, 2)),)}, 1 << 30, False,
      ("gluon", True, (128, 128, 8, 2), False)),
     # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
-    ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, ("gluon", True, None, False)),
-    # the single pass (atomic dQ) runs in Gluon only in the queries-on-rows kernel
-    ({"deterministic": False}, 1, ("gluon", True, None, True)),
-    ({"deterministic": False, "kv_qrows": False}, 1, ("triton",)),
-    ({"deterministic": False}, 1 << 30, ("triton",)),
-], ids=["default-small", "default-large", "keys-on-rows", "off", "on", "on-with-config", "auto-keeps-triton-config",
-        "atomic", "atomic-keys-on-rows", "atomic-small"])
-def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, expected):
+    ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, False, ("gluon", True, None, False)),
+    ({"deterministic": False}, 1, True, ("gluon", True, None, True)),
+    ({"deterministic": False}, 1, False, ("triton",)),         # the Triton single pass where Gluon's does not apply
+    ({"deterministic": False, "kv_qrows": False}, 1, True, ("triton",)),
+    ({"deterministic": False}, 1 << 30, True, ("triton",)),
+], ids=["default-small", "default-large", "default-large-two-pass", "deterministic", "keys-on-rows", "off", "on",
+        "on-with-config", "auto-keeps-triton-config", "atomic", "atomic-triton", "atomic-keys-on-rows", "atomic-small"])
+def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, single, expected):
     """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon pass (queries on
-    rows unless kv_qrows=False) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
+    rows unless kv_qrows=False; as the single pass with a dQ accumulator unless deterministic=True, where
+    its config applies: `single`) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
     pass."""
     import cs336_systems.flash_triton as ft
 
@@ -290,7 +296,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, expecte
     monkeypatch.setattr(ft, "_tma_ok", lambda *tensors: True)
     monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
     monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
-    monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, **kw: True)
+    monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
     monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(
         ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))
     monkeypatch.setattr(ft, "_kv_launch", lambda *a, **kw: calls.append(("triton",)))
