@@ -520,7 +520,7 @@ def test_flash_ops_pass_opcheck():
     q, k, v, do = (torch.randn(1, 2, 24, 16, generator=gen).to(DEVICE) for _ in range(4))
     torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25))
     o, lse = flash_attn_fwd(q, k, v, True, 0.25)
-    for deterministic in (True, False):
+    for deterministic in (True, False, None):
         torch.library.opcheck(flash_attn_bwd, (do, q, k, v, o, lse, True, 0.25, deterministic),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
