@@ -1,4 +1,5 @@
-"""Kernels in Gluon for Hopper (sm_90a): the forward and the dK/dV pass (both shipped for large calls).
+"""Kernels in Gluon for Hopper (sm_90a): the forward, the dK/dV pass and the single-pass backward (all shipped
+for large calls).
 
 The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule: a producer warp, two or
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
@@ -15,7 +16,11 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
   and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop. On the
   H200 it takes 11% off the Triton pass's kernel time at the leaderboard shape and ~20% at d 128 × 65536
-  (NOTES.md, session 14).
+  (NOTES.md, session 14). With DQ_ATOMIC (`kv_pass(dq_acc=)`) the same kernel is the single-pass backward:
+  dQ = dS·K from the shared dS and the resident K tile, its fp32 tile added into an accumulator by a TMA
+  bulk reduction per tile through a double buffer (shipped at d 64 with 128 keys per program, which halves
+  the reduction traffic that held every 64-key single pass back; −6% of the backward against the two-pass
+  design on the H200, NOTES.md, session 15).
 - `flash_bwd_kv_gluon_kernel` (opt-in, `KernelOptions(gluon_kv=True, kv_qrows=False)`): the keys on rows,
   as the Triton pass, with the wgmma schedule written out instead of left to Triton's pipeliner, which
   waits for every non-accumulating wgmma as soon as it is issued:
@@ -41,7 +46,8 @@ into the tiles. Gluon has no interpreter, so these kernels run only on the GPU (
 Variants measured slower and removed (NOTES.md, sessions 8, 9 and 11): K and V as register operands of
 Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
 warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
-the single-pass backward with dQ by TMA bulk reductions, in two builds (34c5a8e, 1c8ee71).
+the single-pass backward on the keys-on-rows kernel with dQ by TMA bulk reductions, in two builds (34c5a8e,
+1c8ee71); the single pass on this queries-on-rows kernel with dQ by `red.global` from registers (97b0bd9).
 
 Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the forward
 (producer, softmax step, consumer, kernel), then the configs, `supported` / `fwd_supported` and the host

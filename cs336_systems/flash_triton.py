@@ -1,5 +1,9 @@
 """FlashAttention-2 in Triton: forward, backward (atomic-dQ single pass or deterministic two-pass), ops.
 
+(On sm_90, large calls run Gluon kernels of `flash_gluon` instead: the forward, and for the backward the
+single pass at d 64 (the default, `KernelOptions.deterministic=None`) or the two-pass design's dK/dV pass;
+the launchers below choose, by `KernelOptions`.)
+
 Layout, top-down:
   1. jit helpers: tile loads through TMA tensor descriptors or block pointers, and the inner loops
      `_fwd_tiles`, `_bwd_kv_tiles`, `_bwd_dq_tiles`, each with a constexpr MASKED flag. The kernels
