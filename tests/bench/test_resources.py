@@ -55,6 +55,9 @@ def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
     assert sorted((r["kernel"], r["d_head"]) for r in rows) == sorted(
         (k, d) for k in GLUON_KERNELS for d in (64, 128)), rows
     for r in rows:
+        if r["d_head"] not in GLUON_KERNELS[r["kernel"]]:  # (the single pass runs d 64 only)
+            assert r["status"].startswith("unsupported: "), r
+            continue
         assert r["status"] == "ok" and r["wgmma"] is True, r
         assert r["ptxas_warnings"] == "" and r["spill_store_bytes"] == 0, r
 
