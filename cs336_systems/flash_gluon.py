@@ -59,13 +59,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton._C.libtriton import ir
 
 from cs336_systems.kernel_launch import CLaunch
 
@@ -250,7 +250,8 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
                    dq_desc, dq_smem, zero_dq,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
-    MASKED: the tile on the diagonal. Every wgmma is retired before it returns: one in flight across the
+    MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc
+    through buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the
     caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
     dtype: gl.constexpr = q_smem.dtype
     s = t % STAGES
@@ -279,7 +280,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     ds_smem.store(ds.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    if DQ_ATOMIC:  # dQ = dS·K first: its fp32 atomics run under dK's matmul
+    if DQ_ATOMIC:  # dQ = dS·K first: its wait, store and TMA reduction run under dK's matmul
         dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(1, deps=(dq, ))
@@ -315,7 +316,11 @@ def flash_bwd_kv_qrows_gluon_kernel(
         barrier, issue dV += Pᵀ·dO                     wait dP
         dS = P·(dP - delta) -> shared                  (runs under dV's matmul)
         barrier, issue dK += dSᵀ·Q, wait dV, dK
-    BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per 64 rows of both layouts)."""
+    BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per 64 rows of both layouts). With DQ_ATOMIC it is the
+    single-pass backward: before dK it issues dQ = dS·K (dS and the resident K tile from shared memory; a
+    warpgroup per 64 query rows), waits for dQ alone, stores the fp32 tile into one of two shared buffers (free
+    once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
+    with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
 
@@ -339,7 +344,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-    # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by atomics
+    # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     if DQ_ATOMIC:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
@@ -725,8 +730,9 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
             cached: bool = True, qrows: bool = False, dq_acc=None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
-    launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time. qrows: the kernel with the
-    queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc (with qrows): the single pass, which also adds
+    launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
+    qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc (with qrows): the
+    single pass, which also adds
     dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by TMA
     bulk reductions."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
