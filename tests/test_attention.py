@@ -308,6 +308,40 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, single,
     assert calls == [expected]
 
 
+@pytest.mark.parametrize("flag,torch_deterministic,expected", [
+    (None, False, None), (None, True, True), (True, False, True), (False, False, False), (False, True, False),
+])
+def test_flash_deterministic_flag_picks_the_backward(monkeypatch, flag, torch_deterministic, expected):
+    """deterministic=None follows torch.are_deterministic_algorithms_enabled() (True: the two-pass backward;
+    off: None, the faster design for the call); a bool forces a design. The options reaching the backward
+    are recorded, not run."""
+    import cs336_systems.flash_triton as ft
+
+    seen = []
+
+    def backward(do, q, k, v, o, lse, is_causal, scale, opts):
+        seen.append(opts.deterministic)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(ft, "attention_backward", backward)
+    q = torch.randn(1, 2, 32, 16, device=DEVICE, requires_grad=True)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(torch_deterministic)
+    try:
+        ft.flash_attention(q, q, q, True, deterministic=flag).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen == [expected]
+
+
+def test_flash_deterministic_flag_rejects_non_bools():
+    from cs336_systems.flash_triton import flash_attention
+
+    x = torch.randn(1, 2, 32, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attention(x, x, x, True, deterministic="yes")
+
+
 def test_flash_triton_rejects_too_large_head_dim():
     x = torch.randn(1, 8, 512, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):
