@@ -1104,9 +1104,11 @@ def flash_backward_triton(
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
     gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
-    # the single pass in Gluon (queries on rows, dQ by TMA reductions; dO made contiguous for it)
+    # the single pass in Gluon (queries on rows, dQ by TMA reductions; dO made contiguous for it, so q stands in
+    # for it in `supported`'s layout checks)
     gluon_single = (gluon_kv and opts.deterministic is not True and opts.kv_qrows and opts.skip_masked_tiles
-                    and inputs_tma and flash_gluon.supported(q4, k4, v4, q4, gluon_config, True, single_pass=True))
+                    and inputs_tma and do4.dtype == q4.dtype
+                    and flash_gluon.supported(q4, k4, v4, q4, gluon_config, True, single_pass=True))
     atomic = opts.deterministic is False or gluon_single
     fused = opts.fused_prep and not atomic
     # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
