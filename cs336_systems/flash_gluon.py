@@ -710,14 +710,15 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
                          f"64 rows), got {config}")
     if dq_acc is not None and not qrows:
         raise ValueError("the single-pass backward (dq_acc) runs only in the queries-on-rows kernel (qrows=True)")
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal, num_warps=warps)
+    # (in the kernels' order: the cached launch passes the values positionally)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta)
     if qrows:  # the fp32 dQ accumulator (the single pass), or dK's as an untouched stand-in
         args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
-        constexprs = dict(constexprs, DQ_ATOMIC=dq_acc is not None)
-        constexprs["num_warps"] = constexprs.pop("num_warps")  # last, as the kernel declares it
+        constexprs["DQ_ATOMIC"] = dq_acc is not None
+    constexprs["num_warps"] = warps
     args += (heads, heads // kv_heads, n_q, n_k, scale)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal,
            heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
