@@ -1103,10 +1103,10 @@ def flash_backward_triton(
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
-    gluon_kv, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
+    gluon_wanted, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
     # the single pass in Gluon (queries on rows, dQ by TMA reductions; dO made contiguous for it, so q stands in
     # for it in `supported`'s layout checks)
-    gluon_single = (gluon_kv and opts.deterministic is not True and opts.kv_qrows and opts.skip_masked_tiles
+    gluon_single = (gluon_wanted and opts.deterministic is not True and opts.kv_qrows and opts.skip_masked_tiles
                     and inputs_tma and do4.dtype == q4.dtype
                     and flash_gluon.supported(q4, k4, v4, q4, gluon_config, True, single_pass=True))
     atomic = opts.deterministic is False or gluon_single
@@ -1161,7 +1161,7 @@ def flash_backward_triton(
         )
         if dq_chunk:
             _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    gluon_kv = gluon_single or (gluon_kv and not atomic and not kv_chunk and opts.skip_masked_tiles
+    gluon_kv = gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles
                                 and common["USE_TMA"]
                                 and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
     if gluon_kv:
