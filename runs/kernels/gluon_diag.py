@@ -9,10 +9,18 @@ of a variant before reading it: ptxas drops a matmul whose result is never store
     git worktree add /tmp/build <commit> && cd /tmp/build && \\
     PYTHONPATH=$PWD CS336_BENCH_COMMIT=<commit> python3 <this script> --build <build> --out rows.jsonl
 
-Builds: `atomic` (commit 34c5a8e, one warpgroup of 64 keys; rows in `atomic_diag.jsonl`) and
-`single_pass` (commit 1c8ee71, warp-specialized, 128 keys; rows in `single_pass_diag.jsonl`). Those
-rows were taken with two separate copies of this script (same variants, same timing), merged here
-afterwards.
+Builds: `atomic` (commit 34c5a8e, one warpgroup of 64 keys; rows in `atomic_diag.jsonl`),
+`single_pass` (commit 1c8ee71, warp-specialized, 128 keys; rows in `single_pass_diag.jsonl`) and
+`qrows_red` (commit 97b0bd9, the queries-on-rows kernel as a single pass, 64 keys, dQ added with
+`red.global`; its "reds_off" variant predicates the reds off with a run-time mask that is always false,
+meant to keep the dQ matmul and its wait while nothing reaches the L2, but ptxas proves the mask false and
+drops the reds and the dQ matmul: SASS 16 HGMMAs and a placeholder per tile, so it times a four-matmul
+kernel, as "no_store" above does). The rows of the first
+two were taken with two separate copies of this script (same variants, same timing), merged here
+afterwards; those of `qrows_red` (`single_diag.jsonl`, session 15) by a device-side script that timed the
+same two variants with do_bench rep 200 over copies of the package at 97b0bd9, beside the two-pass design
+with the Gluon queries-on-rows pass (64 × 64 / 4 / 2) instead of the row below, and also at
+1 × 1 × 65536 × 128.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ _STORE_WS = "        dq_smem.index(2 * b + ROLE).store(dq)\n"
 _MMA_WS = ("        dq = warpgroup_mma(ds_smem.permute((1, 0)), kc_smem.index(ROLE), zero_dq, use_acc=False, "
            "is_async=True)\n")
 _WAIT_WS = "        dq = warpgroup_mma_wait(1, deps=(dq, ))\n"
+_RED_QROWS = '        gl.atomic_add(dq_ptr + row * D + dq_offs, dq, sem="relaxed")\n'
+_RED_OFF_QROWS = ('        gl.atomic_add(dq_ptr + row * D + dq_offs, dq, mask=(dq_offs * 0 + first_head) < 0, '
+                  'sem="relaxed")\n')
 _DS_WAITS_WS = [("        mbarrier.wait(ds_empty, (t & 1) ^ 1)\n", ""), ("        mbarrier.wait(ds_full, t & 1)\n", "")]
 
 # build -> (kv config of the single pass, {variant: [(text, replacement), ...]})
@@ -48,6 +59,10 @@ BUILDS = {
         "no_dq_store": [(_STORE_WS, "")],                     # dQ not stored: ptxas then drops its matmul
         "no_dq": [(_STORE_WS, ""), (_WAIT_WS, ""), (_MMA_WS, "")],  # no dQ matmul (ptxas serializes: C7512)
         "no_ds_waits": _DS_WAITS_WS,                          # consumers do not wait for each other's dSᵀ
+    }),
+    "qrows_red": ((64, 64, 4, 2), {
+        "as_built": [],
+        "reds_off": [(_RED_QROWS, _RED_OFF_QROWS)],          # reds off: ptxas then drops the dQ matmul too
     }),
 }
 
