@@ -31,7 +31,7 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
     """The dK/dV kernels: keys on rows (`flash_bwd_kv_gluon_kernel`), queries on rows
     (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows), and the latter as the single pass with dQ
-    by fp32 atomics (KernelOptions.deterministic=False)."""
+    added in fp32 by TMA bulk reductions (KernelOptions.deterministic=False)."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
