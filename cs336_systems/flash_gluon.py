@@ -324,14 +324,10 @@ def flash_bwd_kv_qrows_gluon_kernel(
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
 
-    # warpgroups side by side on the keys of S and dP (and on dQ's columns): 1, or 2 with BLOCK_M = 64 < BLOCK_N
-    WG_N: gl.constexpr = 16 * num_warps // BLOCK_M
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WG_N, WG_N],
-                                                       instr_shape=[16, BLOCK_N // WG_N, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WG_N, WG_N],
-                                                        instr_shape=[16, D // WG_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
@@ -349,26 +345,24 @@ def flash_bwd_kv_qrows_gluon_kernel(
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
-    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
+    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     if DQ_ATOMIC:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
     else:
         dq_smem = k_smem  # unused
     mbarrier.wait(kv_bar, 0)
 
-    # per query head of the group: under causal masking its first BLOCK_N / BLOCK_M tiles (q_first = k_start) are
-    # the diagonal ones, the only ones that need the mask
-    DIAGONAL_TILES: gl.constexpr = BLOCK_N // BLOCK_M
+    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
+    # q_first = k_start), the only one that needs the mask
     for g in range(KV_GROUP):
         t0 = g * n_vis
         if is_causal:
-            for j in gl.static_range(DIAGONAL_TILES):
-                if j < n_vis:
-                    dk, dv, lse, delta = _kv_qrows_tile(
-                        t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                        ready, L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES,
-                        qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
-            first = DIAGONAL_TILES
+            if n_vis > 0:
+                dk, dv, lse, delta = _kv_qrows_tile(
+                    t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
+            first = 1
         else:
             first = 0
         for j in range(first, n_vis):
@@ -589,7 +583,7 @@ CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # the same kernel as the single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
 # (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
-SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
+SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
@@ -711,9 +705,9 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or (
         SINGLE_PASS_CONFIGS if dq_acc is not None else QROWS_CONFIGS if qrows else CONFIGS)[d]
-    if qrows and not (block_n == 16 * warps and block_m in (block_n, 64)):
-        raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_N = 16·num_warps (a warpgroup per 64 keys) and "
-                         f"BLOCK_M = BLOCK_N or 64 (then the warpgroups split S's keys), got {config}")
+    if qrows and not block_m == block_n == 16 * warps:
+        raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per "
+                         f"64 rows), got {config}")
     if dq_acc is not None and not qrows:
         raise ValueError("the single-pass backward (dq_acc) runs only in the queries-on-rows kernel (qrows=True)")
     # (in the kernels' order: the cached launch passes the values positionally)

@@ -59,11 +59,10 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "single-pass"])
-@pytest.mark.parametrize("config", [(128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2)])
+@pytest.mark.parametrize("config", [(128, 128, 8, 2), (64, 64, 4, 3)])
 def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
     """The queries-on-rows dK/dV pass (and the single pass built on it) at its other configs (two
-    warpgroups of 64 rows; three stages; two warpgroups splitting S's keys and dQ's columns, two diagonal
-    tiles), causal with GQA."""
+    warpgroups of 64 rows; three stages), causal with GQA."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
@@ -91,9 +90,8 @@ def test_gluon_kv_qrows_rejects_mismatched_tiles():
 
     x = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
     lse = torch.empty(2, 256)
-    for config in ((64, 128, 4, 2), (32, 128, 8, 2)):
-        with pytest.raises(ValueError, match="BLOCK_M = BLOCK_N or 64"):
-            flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, config, qrows=True)
+    with pytest.raises(ValueError, match="BLOCK_M = BLOCK_N"):
+        flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, (64, 128, 4, 2), qrows=True)
 
 
 @pytest.mark.gpu

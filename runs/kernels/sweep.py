@@ -184,15 +184,6 @@ PLANS = {
         dq=[(128, 64, 8, 3)],
         dq_fixed=(128, 64, 8, 3),
     ),
-    # session 16: 64 queries × 128 keys per program, two warpgroups splitting S's keys and dQ's columns
-    "single_split128": dict(
-        shape=(1, 1, 65536, 128),
-        fwd={},
-        kv={"bwd/det-tma-gluon-qrows": [(64, 64, 4, 2), (64, 128, 8, 2)],
-            "bwd/atomic-tma-gluon-qrows": [(64, 128, 8, 2)]},
-        dq=[(128, 64, 8, 3)],
-        dq_fixed=(128, 64, 8, 3),
-    ),
 }
 
 
