@@ -8,7 +8,8 @@ call the Triton launchers as they do for CUDA tensors (CPU tensors would take th
   launchers off   every `_Launcher` of flash_triton and `flash_gluon.forward`/`kv_pass` replaced by a no-op
                   (the reading of NOTES.md's "Issue 9, a CPU reading"): the Python around the launchers;
   C launch off    the launchers kept (their per-signature launch cache too, `torch.cuda.current_device` read as
-                  0) and only the compiled kernel's launch a no-op: everything but the C launch.
+                  0) with a `kernel_launch.CLaunch` of no scratch whose C function is a no-op as each signature's
+                  compiled kernel: everything but the C launch and the TMA scratch allocation.
 
 Each times `flash_forward_triton`, `flash_backward_triton`, and the autograd path: `FlashAttention2Triton.apply`
 (inputs requiring grad) and `torch.autograd.grad` of its output. CPU allocations are cheaper than CUDA's and no
@@ -32,6 +33,7 @@ import triton
 
 from cs336_systems import flash_gluon
 from cs336_systems import flash_triton as ft
+from cs336_systems.kernel_launch import CLaunch
 
 
 def per_call_us(fn, iters: int, warmup: int) -> float:
@@ -68,7 +70,8 @@ def launchers_off() -> None:
 
 def c_launch_off() -> None:
     torch.cuda.current_device = lambda: 0
-    ft._Launcher._compile = lambda self, grid, args, constexprs: ft._Compiled((), None, noop)
+    no_launch = CLaunch(noop, (1, 1, 1), None, False, False, None, 0, lambda device_index: 0)
+    ft._Launcher._compile = lambda self, grid, args, constexprs: ft._Compiled((), None, no_launch)
 
 
 def measure(args: argparse.Namespace) -> list[str]:
