@@ -1031,14 +1031,14 @@ def _split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: in
     return chunks, [parts[i, 0] for i in range(count)]
 
 
-def _sum_chunks(parts: list[torch.Tensor], out4: torch.Tensor, out_step: int, chunks: int, chunk: int, d: int,
-                d_tile: int, is_causal: bool, rows_are_keys: bool) -> None:
-    """out4 (and the outputs out_step elements after it, one per further partial buffer) = the sum of
-    `parts`' chunks (buffers from one `_split_buffers`)."""
+def _sum_chunks(part: torch.Tensor, out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int,
+                is_causal: bool, rows_are_keys: bool) -> None:
+    """out4 = the sum of the chunks of `part` (one partial buffer of `_split_buffers`). One output per launch:
+    the kernel could write dK and dV in one launch, but only into one allocation, and the custom op's outputs
+    must not share storage."""
     batch, heads, n_rows = out4.shape[:3]
-    part_step = chunks * parts[0].numel()
-    _sum_launch((batch * heads, -(-n_rows // SUM_TILE), len(parts)),
-                (parts[0], out4, out4.stride(), part_step, out_step, chunks, chunk, heads, n_rows),
+    _sum_launch((batch * heads, -(-n_rows // SUM_TILE), 1),
+                (part, out4, out4.stride(), 0, 0, chunks, chunk, heads, n_rows),
                 D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal, ROWS_ARE_KEYS=rows_are_keys)
 
 
@@ -1128,11 +1128,8 @@ def flash_backward_triton(
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
     kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, d, q.device)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if kv_chunk:  # dK and dV in one allocation: one sum launch writes both
-        dk, dv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype).unbind(0)
-    else:
-        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
     # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
@@ -1160,7 +1157,7 @@ def flash_backward_triton(
             opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass, SPLIT=bool(dq_chunk),
         )
         if dq_chunk:
-            _sum_chunks([dq_out], dq4, 0, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
+            _sum_chunks(dq_out, dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
     gluon_kv = gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles
                                 and common["USE_TMA"]
                                 and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
@@ -1176,7 +1173,8 @@ def flash_backward_triton(
             opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
         )
     if kv_chunk:
-        _sum_chunks([dk_out, dv_out], dk4, dk.numel(), kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
+        for part, out4 in ((dk_out, dk4), (dv_out, dv4)):
+            _sum_chunks(part, out4, kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
     if atomic:
         _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
                      D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)

@@ -423,6 +423,24 @@ def test_flash_split_passes_match_float64(is_causal, tma):
         assert torch.equal(x, y), f"{name} differs between two runs of the split backward"
 
 
+def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch):
+    """The backward op (what torch.compile runs) where its passes split, as short grids do on the GPU (forced
+    here): the op's outputs must not share storage (torch.library checks it on every call; dK and dV were once
+    one allocation there) and must match float64."""
+    import cs336_systems.flash_triton as ft
+
+    monkeypatch.setattr(ft, "_split_rows", lambda opts, programs, n_rows, n_reduce, causal, d, device: 128)
+    gen = torch.Generator().manual_seed(29)
+    q = torch.randn(1, 2, 260, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 1, 200, 16, generator=gen).to(DEVICE) for _ in range(2))
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    o, lse = ft.flash_attn_fwd(q, k, v, True, 0.25)
+    grads = ft.flash_attn_bwd(do, q, k, v, o, lse, True, 0.25, True)
+    exact = run(lambda *a: _sdpa64(*a, scale=0.25, group=2), *(t.double() for t in (q, k, v, do)), True)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), exact):
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+
+
 @pytest.mark.parametrize("shape,expected", [
     ((16, 16384, 16384, True), 0),        # the leaderboard: ~8 waves of programs, never split
     ((1, 65536, 65536, True), 0),
