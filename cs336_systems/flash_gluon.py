@@ -420,43 +420,17 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k
 
 
 @gluon.jit
-def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
-    """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; MASKED
-    (a tile that may cross this warpgroup's causal diagonal): query i sees key j iff i >= j."""
-    if MASKED:
-        offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
-        sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
+def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr):
+    """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
+    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j."""
+    if is_causal:
+        if k_start + BLOCK_N > first:
+            offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
+            sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
     p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
-def _fwd_tile(j, o, p_op, m_i, l_i, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, zero_s, offs_m,
-              n_tiles, qk_scale, P_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              WARPGROUPS: gl.constexpr, ROLE: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile j >= 1 of a consumer: S_j and P_{j-1}·V_{j-1} issued in its turn, P_j's softmax under them."""
-    dtype: gl.constexpr = q_tile.dtype
-    s = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(ready_k.index(s), (j // STAGES) & 1)
-    sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
-    o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
-    mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
-    sc = warpgroup_mma_wait(1, deps=(sc, ))
-    mbarrier.arrive(empty_k.index(s))  # K_j read
-    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, qk_scale, BLOCK_N, MASKED)
-    # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
-    # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
-    # wait (a branch) keeps it here
-    mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
-    o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-    mbarrier.arrive(empty_v.index(sp))  # V_{j-1} read
-    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
-    p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-    return o, p_op, m_i, l_i
 
 
 @gluon.jit
@@ -492,31 +466,28 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(0))
-    if is_causal:
-        if BLOCK_N > first:
-            p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, qk_scale, BLOCK_N, True)
-        else:
-            p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, qk_scale, BLOCK_N, False)
-    else:
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, qk_scale, BLOCK_N, False)
+    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
-    # under causal masking the tiles before q_start // BLOCK_N are whole for every row of the program and run
-    # without the mask; the last one or two tiles run with it (a run-time test per tile would be if-converted
-    # by the compiler into a compare and a select per score in every tile)
-    if is_causal:
-        n_whole = gl.minimum(gl.maximum(q_start // BLOCK_N, 1), n_tiles)
-    else:
-        n_whole = n_tiles
-    for j in range(1, n_whole):
-        o, p_op, m_i, l_i = _fwd_tile(j, o, p_op, m_i, l_i, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
-                                      turn, zero_s, offs_m, n_tiles, qk_scale, p_layout, BLOCK_N, STAGES, WARPGROUPS,
-                                      ROLE, False)
-    if is_causal:
-        for j in range(n_whole, n_tiles):
-            o, p_op, m_i, l_i = _fwd_tile(j, o, p_op, m_i, l_i, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k,
-                                          empty_v, turn, zero_s, offs_m, n_tiles, qk_scale, p_layout, BLOCK_N, STAGES,
-                                          WARPGROUPS, ROLE, True)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(ready_k.index(s), (j // STAGES) & 1)
+        sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
+        mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
+        sc = warpgroup_mma_wait(1, deps=(sc, ))
+        mbarrier.arrive(empty_k.index(s))  # K_j read
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
+        # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
+        # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
+        # wait (a branch) keeps it here
+        mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
+        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        mbarrier.arrive(empty_v.index(sp))  # V_{j-1} read
+        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(ready_v.index(sl), ((n_tiles - 1) // STAGES) & 1)
     o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
