@@ -24,8 +24,9 @@ Layout, top-down:
      Causal grids run the longest tiles first (the last wave is short tiles, not long ones). Short
      grids (few heads × long sequences) split each pass's reduction into chunks along grid axis 2
      (`split_rows` decides), merged in a fixed order, so the backward stays bitwise repeatable.
-  3. Host launchers: checks, (..., S, D) -> (B, H, S, D) views, allocation, config choice, grid, and
-     a launch cache per signature (grid included) that calls compiled kernels' C launch directly.
+  3. Host launchers: checks, and per input signature a host plan, made once: what a call decides from
+     its inputs' metadata (design, Gluon or Triton, splits, TMA, allocations, grids, constexprs, strides);
+     a repeat call allocates and calls the compiled kernels' C launches directly.
   4. `KernelOptions`, `FlashAttention2Triton` (autograd.Function) and `flash_attention`.
 
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2; the scale folds into one FMA with the
@@ -898,13 +899,6 @@ def _gluon_choice(opts: KernelOptions, flag: bool | None, kernel: str, work: int
     return wanted, config
 
 
-def _use_tma(opts: KernelOptions, *tensors: torch.Tensor) -> bool:
-    use = _tma_wanted(opts) and _tma_ok(*tensors)
-    if use:
-        triton.set_allocator(scratch)
-    return use
-
-
 def launch_hooks_installed() -> bool:
     """Whether a profiler (e.g. proton) hooks Triton's launches: then every launch goes through Triton.
     Triton 3.6 keeps the hooks in a HookChain (never None; empty when none is installed), older
@@ -962,23 +956,26 @@ class _Launcher:
         return (torch.cuda.current_device(), grid, *constexprs.values(), *[t.dtype for t in tensors],
                 *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.other_positions])
 
-    def __call__(self, grid, args: tuple, opts: KernelOptions = DEFAULT_OPTIONS, **constexprs) -> None:
+    def __call__(self, grid, args: tuple, opts: KernelOptions = DEFAULT_OPTIONS, **constexprs) -> _Compiled | None:
+        """Launch; hand back what this signature's later launches may call directly (`_PlannedLaunch`), or None
+        where every launch goes through Triton."""
         if self.tuned and not opts.autotune:
             q_tile, k_tile, warps, stages = dict(opts.configs).get(self.name, FIXED_CONFIG)
             fixed = dict(Q_TILE_SIZE=q_tile, K_TILE_SIZE=k_tile)
             self.kernel.fn[grid(fixed)](*args, **constexprs, **fixed, num_warps=warps, num_stages=stages)
-            return
+            return None
         if INTERPRET or launch_hooks_installed():
             self.kernel[grid](*args, **constexprs)
-            return
+            return None
         key = self._key(grid, args, constexprs)
         entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = self._compile(grid, args, constexprs)
+            entry = self.entries[key] = self._compile(grid, args, constexprs)
         elif entry.c_launch is None:
             entry.runner(*args, *entry.tail)
         else:
             entry.c_launch(key[0], *args, *entry.tail)
+        return entry
 
     def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
         """Launch through Triton (tuning and compiling as needed) and keep what later launches reuse."""
@@ -1031,17 +1028,6 @@ def _split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: in
     return chunks, [parts[i, 0] for i in range(count)]
 
 
-def _sum_chunks(part: torch.Tensor, out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int,
-                is_causal: bool, rows_are_keys: bool) -> None:
-    """out4 = the sum of the chunks of `part` (one partial buffer of `_split_buffers`). One output per launch:
-    the kernel could write dK and dV in one launch, but only into one allocation, and the custom op's outputs
-    must not share storage."""
-    batch, heads, n_rows = out4.shape[:3]
-    _sum_launch((batch * heads, -(-n_rows // SUM_TILE), 1),
-                (part, out4, out4.stride(), 0, 0, chunks, chunk, heads, n_rows),
-                D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal, ROWS_ARE_KEYS=rows_are_keys)
-
-
 def _check_head_dim(d: int) -> None:
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is larger than the supported maximum {MAX_HEAD_DIM}")
@@ -1056,49 +1042,243 @@ def _check_launchable(q: torch.Tensor) -> None:
     _check_head_dim(q.shape[-1])
 
 
+# Host plans. Everything `flash_forward_triton` and `flash_backward_triton` decide from their inputs' metadata
+# (designs, Gluon or Triton, splits, TMA, the dO copy, allocation shapes, grids, constexprs, stride tuples) is
+# decided once per signature (`_plan_key`) and kept; a repeat call builds the key, allocates and launches. The
+# kernels take each tensor as a pointer beside the (B, H, S, D) strides its plan holds, so the calls pass their
+# tensors as they are (a (B, H, S, D) view has the same pointer), except inputs of more than four dims, which
+# `_as_bhsd` may have to copy.
+
+
+class _PlannedLaunch:
+    """One kernel launch of a host plan: a launcher with the grid, constexprs and trailing (non-tensor) arguments
+    that its plan fixed; a call passes its tensors. Launches go through the launcher until it hands back the
+    signature's compiled kernel, then straight to its C launch, without the launcher's own signature: the plan's
+    key holds all that one holds (the current device; each tensor's dtype and alignment, the inputs' in the key and
+    those of our own allocations following from their shapes, as fresh blocks are aligned far beyond 16 bytes; the
+    grid, constexprs and other arguments, which follow from the key)."""
+
+    __slots__ = ("launcher", "grid", "rest", "opts", "constexprs", "device", "compiled")
+
+    def __init__(self, launcher, grid, rest: tuple, opts: KernelOptions, constexprs: dict, device: int | None):
+        self.launcher, self.grid, self.rest, self.opts, self.constexprs = launcher, grid, rest, opts, constexprs
+        self.device = device  # the current CUDA device of the plan's key: its compiled kernels, its stream
+        self.compiled: _Compiled | None = None  # one reference, set in one store: threads may share a plan
+
+    def scratch_size(self) -> int | None:
+        """Bytes of global scratch (TMA descriptors) its C launch takes; None while launches go through the
+        launcher."""
+        compiled = self.compiled
+        return None if compiled is None or compiled.c_launch is None else compiled.c_launch.scratch_size
+
+    def __call__(self, buffer: torch.Tensor | None, *tensors: torch.Tensor) -> None:
+        """Launch on this call's tensors; `buffer`: the call's shared scratch (`_SharedScratch`) or None."""
+        compiled = self.compiled
+        if compiled is None or compiled.c_launch is None:
+            self.compiled = self.launcher(self.grid, (*tensors, *self.rest), self.opts, **self.constexprs)
+        else:
+            compiled.c_launch(self.device, *tensors, *self.rest, *compiled.tail, buffer=buffer)
+
+
+class _SharedScratch:
+    """One global-scratch buffer per call for all the C launches of a plan, instead of one per launch. As safe as
+    one per launch: the kernels of a call run one after another on the current stream (none is launched with
+    programmatic dependent launch), each writing its TMA descriptors before reading them; and the buffer, freed when
+    the call returns, goes back to the caching allocator, which hands it out again only to work queued after them
+    on that stream (under CUDA-graph capture, from the graph's private pool, as before)."""
+
+    __slots__ = ("launches", "size")
+
+    def __init__(self, launches: tuple[_PlannedLaunch, ...]):
+        self.launches = launches
+        self.size: int | None = None  # bytes: the largest launch's, once every launch has its C launch
+
+    def __call__(self) -> torch.Tensor | None:
+        """This call's buffer; None where no launch needs one, or some still go through their launcher (which
+        takes its own, as does a C launch given none)."""
+        if self.size is None:
+            sizes = [launch.scratch_size() for launch in self.launches]
+            if None in sizes:
+                return None
+            self.size = max(sizes, default=0)
+        return scratch(self.size, 128, None) if self.size else None
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of t's shape, dtype and device (faster to ask for than torch.empty with them)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def _plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, scale: float | None, opts: KernelOptions) -> tuple:
+    """What a host plan is decided from: each tensor's shape, strides, dtype and 16-byte misalignment (the batch is
+    in no stride of a contiguous tensor, only in its shape; alignment decides TMA, the Gluon kernels and Triton's
+    pointer specialization), is_causal, the scale, the options; q's device (its SM count, the Gluon kernels' sm_90
+    check), the fp32 matmul precision, whether launch hooks are installed (then every launch goes through Triton),
+    and last the current CUDA device, whose compiled kernels the plan's launches call."""
+    q = tensors[0]
+    return (*map(_layout, tensors), is_causal, scale, opts, q.device, _precision(q.dtype), launch_hooks_installed(),
+            torch.cuda.current_device() if q.is_cuda else None)
+
+
+def _planned_sum(out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int, is_causal: bool,
+                 rows_are_keys: bool, opts: KernelOptions, device: int | None) -> _PlannedLaunch:
+    """The launch that writes out4 = the sum of the chunks of one partial buffer of `_split_buffers`. One output per
+    launch: the kernel could write dK and dV in one launch, but only into one allocation, and the custom op's
+    outputs must not share storage."""
+    batch, heads, n_rows = out4.shape[:3]
+    return _PlannedLaunch(_sum_launch, (batch * heads, -(-n_rows // SUM_TILE), 1),
+                          (out4.stride(), 0, 0, chunks, chunk, heads, n_rows), opts,
+                          dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal,
+                               ROWS_ARE_KEYS=rows_are_keys), device)
+
+
+@dataclass(frozen=True, slots=True)
+class _ForwardPlan:
+    """What `flash_forward_triton` decides for a signature."""
+
+    lse_shape: tuple[int, ...]
+    reshape: bool                     # inputs of more than four dims: `_as_bhsd` each call
+    gluon: tuple | None               # (is_causal, scale, config, cached) where the Gluon forward runs; else
+    use_tma: bool = False             # the Triton kernels:
+    split: tuple | None = None        # `_split_buffers`' arguments where the keys split (a short grid),
+    split_lse_shape: tuple | None = None  # and the partial L's shape
+    fwd: _PlannedLaunch | None = None
+    combine: _PlannedLaunch | None = None  # merges the chunks of a split
+    scratch: _SharedScratch | None = None
+
+
+_FORWARD_PLANS: dict[tuple, _ForwardPlan] = {}
+
+
+def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
+                  scale: float | None, device: int | None) -> _ForwardPlan:
+    q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    d_tile = padded_dim(d)
+    scale = d ** -0.5 if scale is None else float(scale)
+    chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
+    gluon, gluon_config = _gluon_choice(opts, opts.gluon_fwd, "fwd", batch * heads * n_q * n_k)
+    gluon = gluon and not chunk and _tma_wanted(opts) and flash_gluon.fwd_supported(q4, k4, v4, gluon_config)
+    lse_shape, reshape = tuple(q.shape[:-1]), q.ndim > 4
+    if gluon:
+        return _ForwardPlan(lse_shape, reshape, (is_causal, scale, gluon_config, not launch_hooks_installed()))
+    o4 = _as_bhsd(_empty_like(q))  # as each call allocates O
+    split, split_lse_shape, chunks, out = None, None, 1, o4
+    if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
+        split = (chunk, n_k, batch, heads, n_q, d_tile)
+        chunks, (out,) = _split_buffers(*split, q.device)
+        split_lse_shape = (chunks, batch * heads, n_q)
+    use_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4, out)
+    fwd = _PlannedLaunch(
+        _fwd_launch, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
+        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k, scale, chunk), opts,
+        dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles, USE_TMA=use_tma,
+             PRECISION=_precision(q.dtype), SPLIT=bool(chunk)), device)
+    combine = None
+    if chunk:
+        combine = _PlannedLaunch(_combine_launch, (batch * heads, -(-n_q // PREP_TILE), 1),
+                                 (o4.stride(), chunks, heads, n_q), opts,
+                                 dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
+    return _ForwardPlan(lse_shape, reshape, None, use_tma, split, split_lse_shape, fwd, combine,
+                        _SharedScratch((fwd,) if combine is None else (fwd, combine)))
+
+
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D))."""
     _check_launchable(q)
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-    q4, k4, v4, o4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o)
-    batch, heads, n_q, d = q4.shape
-    kv_heads, n_k = k4.shape[1], k4.shape[2]
-    d_tile = padded_dim(d)
-    scale = d ** -0.5 if scale is None else scale
-    chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
-    gluon, gluon_config = _gluon_choice(opts, opts.gluon_fwd, "fwd", batch * heads * n_q * n_k)
-    if gluon and not chunk and _tma_wanted(opts):
-        if flash_gluon.fwd_supported(q4, k4, v4, gluon_config):
-            flash_gluon.forward(q4, k4, v4, o4, lse, is_causal, scale, gluon_config,
-                                cached=not launch_hooks_installed())
-            return o, lse
-    chunks, out, out_lse = 1, o4, lse
-    if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
-        chunks, (out,) = _split_buffers(chunk, n_k, batch, heads, n_q, d_tile, q.device)
-        out_lse = torch.empty((chunks, batch * heads, n_q), device=q.device, dtype=torch.float32)
-    _fwd_launch(
-        TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
-        (q4, k4, v4, out, out_lse, q4.stride(), k4.stride(), v4.stride(), out.stride(),
-         heads, heads // kv_heads, n_q, n_k, scale, chunk),
-        opts, D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-        USE_TMA=_use_tma(opts, q4, k4, v4, out), PRECISION=_precision(q.dtype), SPLIT=bool(chunk),
-    )
-    if chunk:
-        _combine_launch((batch * heads, -(-n_q // PREP_TILE), 1),
-                        (out, out_lse, o4, lse, o4.stride(), chunks, heads, n_q),
-                        D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
+    key = _plan_key((q, k, v), is_causal, scale, opts)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _FORWARD_PLANS[key] = _plan_forward(q, k, v, is_causal, opts, scale, key[-1])
+    o = _empty_like(q)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.reshape:
+        q, k, v = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
+    if plan.gluon:
+        is_causal, scale, config, cached = plan.gluon
+        flash_gluon.forward(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), lse, is_causal, scale, config,
+                            cached=cached)
+        return o, lse
+    if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
+        triton.set_allocator(scratch)
+    out, out_lse = o, lse
+    if plan.split:
+        _, (out,) = _split_buffers(*plan.split, q.device)
+        out_lse = q.new_empty(plan.split_lse_shape, dtype=torch.float32)
+    buffer = plan.scratch()
+    plan.fwd(buffer, q, k, v, out, out_lse)
+    if plan.combine:
+        plan.combine(buffer, out, out_lse, o, lse)
     return o, lse
 
 
-def flash_backward_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
+@dataclass(frozen=True, slots=True)
+class _BackwardBuffers:
+    """What a backward call allocates besides dQ, dK, dV, by its plan."""
+
+    delta_shape: tuple[int, int]  # (batch·heads, Nq)
+    dq_acc_shape: tuple[int, int, int] | None  # (batch·heads, Nq, D_TILE): the atomic design's fp32 dQ accumulator
+    copy_do: str | None  # "dq pass": an empty buffer that the fused dQ pass fills; "now": dO.contiguous(); None
+    dq_split: tuple | None  # `_split_buffers`' arguments where the dQ pass splits
+    kv_split: tuple | None  # ... and where the dK/dV pass does (two buffers: dK's, dV's)
+
+    def __call__(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: torch.Tensor) -> tuple:
+        """(delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out): delta; the dQ accumulator; dO as the passes that
+        read it through pointers take it, and as the TMA-loading passes do; where the dQ pass and the dK/dV pass
+        write (the outputs, or partial sums)."""
+        delta = dq.new_empty(self.delta_shape, dtype=torch.float32)
+        do_tiles = do
+        if self.copy_do == "dq pass":
+            do_tiles = _empty_like(do)
+        elif self.copy_do == "now":
+            do = do_tiles = do.contiguous()
+        dq_out = dq
+        if self.dq_split:
+            _, (dq_out,) = _split_buffers(*self.dq_split, dq.device)
+        dk_out, dv_out = dk, dv
+        if self.kv_split:
+            _, (dk_out, dv_out) = _split_buffers(*self.kv_split, dq.device, 2)
+        # Outside the atomic design the dQ-accumulator argument is unused (the pre-pass without ZERO_DQ does not
+        # touch it; the dK/dV kernel without DQ_ATOMIC neither), and dK's buffer stands in for it: the kv autotuner
+        # zeroes that argument before timing each config and before the launch, which then writes all of dK. No
+        # input, nor delta or dQ (the dQ pass has written both by then), may stand in.
+        dq_acc = dk_out
+        if self.dq_acc_shape is not None:
+            dq_acc = dq.new_empty(self.dq_acc_shape, dtype=torch.float32)
+        return delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out
+
+
+@dataclass(frozen=True, slots=True)
+class _BackwardPlan:
+    """What `flash_backward_triton` decides for a signature: the launches in their order."""
+
+    buffers: _BackwardBuffers
+    reshape: bool                     # inputs of more than four dims: `_as_bhsd` each call
+    use_tma: bool
+    atomic: bool                      # the single pass (dQ accumulated in fp32)
+    prep: _PlannedLaunch | None       # the pre-pass: delta (and the atomic design's zeroed dQ accumulator)
+    dq: _PlannedLaunch | None         # the two-pass design's dQ pass
+    dq_sum: _PlannedLaunch | None     # merges its chunks where it splits
+    kv: _PlannedLaunch | None         # the Triton dK/dV pass, or
+    gluon_kv: tuple | None            # (is_causal, scale, config, keywords) of the Gluon one (`flash_gluon.kv_pass`)
+    kv_sums: tuple[_PlannedLaunch, ...]  # dK's and dV's, where the dK/dV pass splits
+    cast: _PlannedLaunch | None       # the atomic design's dQ = its accumulator · scale, in q's dtype
+    scratch: _SharedScratch
+
+
+_BACKWARD_PLANS: dict[tuple, _BackwardPlan] = {}
+
+
+def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                   is_causal: bool, opts: KernelOptions, scale: float | None, device: int | None) -> _BackwardPlan:
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
@@ -1115,69 +1295,96 @@ def flash_backward_triton(
     # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
     # pass reads dO through pointers and writes the copy the dK/dV pass loads.
     copy_do = inputs_tma and (not _tma_ok(do4) or gluon_single and not do4.is_contiguous())
-    copy_in_dq_pass = copy_do and fused
-    do_tiles = do4  # the dO the TMA-loading passes read
-    if copy_in_dq_pass:
-        do_tiles = torch.empty(do4.shape, device=do.device, dtype=do.dtype)
-    elif copy_do:
-        do4 = do_tiles = do4.contiguous()
     d_tile = padded_dim(d)
-    scale = d ** -0.5 if scale is None else scale
+    scale = d ** -0.5 if scale is None else float(scale)
     # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
     dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
     kv_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_k, n_q, is_causal, d, q.device)
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
-    delta = torch.empty((batch * heads, n_q), device=q.device, dtype=torch.float32)
-    # the atomic design's fp32 dQ accumulator (a one-element stand-in otherwise: the kv autotuner zeroes
-    # this argument before timing each config, so it must not alias a real input)
-    dq_acc = torch.empty((batch * heads, n_q, d_tile) if atomic else (1,), device=q.device, dtype=torch.float32)
-    n_prep = -(-n_q // PREP_TILE)
-    dq_chunks, dq_out = 1, dq4
-    if dq_chunk:
-        dq_chunks, (dq_out,) = _split_buffers(dq_chunk, n_k, batch, heads, n_q, d_tile, q.device)
-    kv_chunks, (dk_out, dv_out) = 1, (dk4, dv4)
-    if kv_chunk:
-        kv_chunks, (dk_out, dv_out) = _split_buffers(kv_chunk, n_q, batch, kv_heads, n_k, d_tile, q.device, 2)
-    if not fused:
-        _prep_launch((batch * heads, n_prep, 1), (o4, do4, delta, dq_acc, o4.stride(), do4.stride(), heads, n_q),
-                     D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic)
+    dq_chunks, kv_chunks = -(-n_k // dq_chunk) if dq_chunk else 1, -(-n_q // kv_chunk) if kv_chunk else 1
+    reshape = max(t.ndim for t in (q, k, v, o, do)) > 4
+    buffers = _BackwardBuffers(
+        (batch * heads, n_q), (batch * heads, n_q, d_tile) if atomic else None,
+        ("dq pass" if fused else "now") if copy_do else None,
+        (dq_chunk, n_k, batch, heads, n_q, d_tile) if dq_chunk else None,
+        (kv_chunk, n_q, batch, kv_heads, n_k, d_tile) if kv_chunk else None)
+    # the rest is decided on buffers allocated as each call allocates them
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    _, _, do_read, do_tiles, dq_out, dk_out, dv_out = buffers(dq, dk, dv, do4 if reshape else do)
+    dq4, dk4, dv4, do4, do_tiles, dq_out, dk_out, dv_out = map(
+        _as_bhsd, (dq, dk, dv, do_read, do_tiles, dq_out, dk_out, dv_out))
+    use_tma = inputs_tma and _tma_ok(do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,)))
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-                  USE_TMA=inputs_tma and _use_tma(opts, do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,))),
-                  PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
+                  USE_TMA=use_tma, PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
+    n_prep = -(-n_q // PREP_TILE)
+    prep = dq_pass = dq_sum = kv = gluon_kv = cast = None
+    kv_sums = ()
+    if not fused:
+        prep = _PlannedLaunch(_prep_launch, (batch * heads, n_prep, 1), (o4.stride(), do4.stride(), heads, n_q), opts,
+                              dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic), device)
     if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
-        _dq_launch(
-            TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
-            (q4, k4, v4, do4, lse, delta, dq_out, o4, do_tiles, q4.stride(), k4.stride(), v4.stride(),
-             do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(), *sizes, dq_chunk),
-            opts, **common, FUSED_PREP=fused, COPY_DO=copy_in_dq_pass, SPLIT=bool(dq_chunk),
-        )
+        dq_pass = _PlannedLaunch(
+            _dq_launch, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
+            (q4.stride(), k4.stride(), v4.stride(), do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(),
+             *sizes, dq_chunk), opts,
+            dict(**common, FUSED_PREP=fused, COPY_DO=copy_do and fused, SPLIT=bool(dq_chunk)), device)
         if dq_chunk:
-            _sum_chunks(dq_out, dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, rows_are_keys=False)
-    gluon_kv = gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles
-                                and common["USE_TMA"]
-                                and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows))
-    if gluon_kv:
-        flash_gluon.kv_pass(q4, k4, v4, do_tiles, lse, delta, dk4, dv4, is_causal, scale, gluon_config,
-                            cached=not launch_hooks_installed(), qrows=opts.kv_qrows,
-                            dq_acc=dq_acc if atomic else None)
+            dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, opts, device)
+    if gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles and use_tma
+                        and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows)):
+        gluon_kv = (is_causal, scale, gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
     else:
-        _kv_launch(
-            TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
-            (q4, k4, v4, do_tiles, lse, delta, dk_out, dv_out, dq_acc, q4.stride(), k4.stride(), v4.stride(),
-             do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes, kv_chunk),
-            opts, **common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk),
-        )
+        kv = _PlannedLaunch(
+            _kv_launch, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
+            (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes,
+             kv_chunk), opts,
+            dict(**common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk)), device)
     if kv_chunk:
-        for part, out4 in ((dk_out, dk4), (dv_out, dv4)):
-            _sum_chunks(part, out4, kv_chunks, kv_chunk, d, d_tile, is_causal, rows_are_keys=True)
+        kv_sums = tuple(_planned_sum(out4, kv_chunks, kv_chunk, d, d_tile, is_causal, True, opts, device)
+                        for out4 in (dk4, dv4))
     if atomic:
-        _cast_launch((batch * heads, n_prep, 1), (dq_acc, dq4, dq4.stride(), heads, n_q, scale),
-                     D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE)
+        cast = _PlannedLaunch(_cast_launch, (batch * heads, n_prep, 1), (dq4.stride(), heads, n_q, scale), opts,
+                              dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
+    launches = tuple(launch for launch in (prep, dq_pass, dq_sum, kv, *kv_sums, cast) if launch is not None)
+    return _BackwardPlan(buffers, reshape, use_tma, atomic, prep, dq_pass, dq_sum, kv, gluon_kv, kv_sums, cast,
+                         _SharedScratch(launches))
+
+
+def flash_backward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
+    key = _plan_key((q, k, v, o, lse, do), is_causal, scale, opts)
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BACKWARD_PLANS[key] = _plan_backward(q, k, v, o, do, is_causal, opts, scale, key[-1])
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    if plan.reshape:
+        q, k, v, o, do = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
+    delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out = plan.buffers(dq, dk, dv, do)
+    if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
+        triton.set_allocator(scratch)
+    buffer = plan.scratch()
+    if plan.prep:
+        plan.prep(buffer, o, do, delta, dq_acc)
+    if plan.dq:
+        plan.dq(buffer, q, k, v, do, lse, delta, dq_out, o, do_tiles)
+        if plan.dq_sum:
+            plan.dq_sum(buffer, dq_out, dq)
+    if plan.kv:
+        plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc)
+    else:
+        is_causal, scale, config, keywords = plan.gluon_kv
+        flash_gluon.kv_pass(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(do_tiles), lse, delta, _as_bhsd(dk),
+                            _as_bhsd(dv), is_causal, scale, config, dq_acc=dq_acc if plan.atomic else None, **keywords)
+    if plan.kv_sums:
+        dk_sum, dv_sum = plan.kv_sums
+        dk_sum(buffer, dk_out, dk)
+        dv_sum(buffer, dv_out, dv)
+    if plan.cast:
+        plan.cast(buffer, dq_acc, dq)
     return dq, dk, dv
 
 

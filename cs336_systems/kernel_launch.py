@@ -16,8 +16,9 @@ import triton
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory a kernel asks for at launch: the TMA descriptors our Triton kernels build (128 B each).
-    A fresh allocation per launch: a buffer kept across calls would outlive the private memory pool of a
-    CUDA-graph tree that created it. (Also Triton's allocator: `triton.set_allocator(scratch)`.)"""
+    Fresh for each launch, or for each call of an op, shared by its launches (`CLaunch`'s buffer): a buffer kept
+    across calls would outlive the private memory pool of a CUDA-graph tree that created it. (Also Triton's
+    allocator: `triton.set_allocator(scratch)`.)"""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -48,9 +49,14 @@ class CLaunch:
                    gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size,
                    triton.runtime.driver.active.get_current_stream)
 
-    def __call__(self, device_index: int, *args) -> None:
+    def __call__(self, device_index: int, *args, buffer: torch.Tensor | None = None) -> None:
+        """Launch on the device's current stream. `buffer`: global scratch the caller holds for this launch and others
+        of its own that run one after another on that stream (used where it is large enough); else a fresh one."""
         stream = self.current_stream(device_index)
-        buffer = scratch(self.scratch_size, 128, stream) if self.scratch_size else None
+        if not self.scratch_size:
+            buffer = None
+        elif buffer is None or buffer.numel() < self.scratch_size:
+            buffer = scratch(self.scratch_size, 128, stream)
         gx, gy, gz = self.grid
         # grid, stream, CUfunction, cooperative, PDL, global and profile scratch, packed metadata, the hooks'
         # launch metadata, enter and exit hooks, then the kernel's arguments

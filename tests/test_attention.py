@@ -240,6 +240,16 @@ def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monke
         ft.flash_forward_triton(q, k, v, True)
 
 
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Empty host-plan caches for a test that monkeypatches what flash_triton decides its plans from: the plans made
+    under the patches go when the test ends, with the patches."""
+    import cs336_systems.flash_triton as ft
+
+    monkeypatch.setattr(ft, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(ft, "_BACKWARD_PLANS", {})
+
+
 @pytest.mark.parametrize("opts,min_work,gluon_config", [
     ({}, 1 << 30, "triton"),                                   # default: only calls of 2^30+ work
     ({}, 1, None),                                             # ... which this one is, with the threshold at 1
@@ -249,14 +259,13 @@ def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monke
     # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
     ({"autotune": False, "configs": (("fwd", (128, 64, 4, 3)),)}, 1, None),
 ], ids=["default-small", "default-large", "off", "on", "on-with-config", "auto-keeps-triton-config"])
-def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, gluon_config):
+def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, min_work, gluon_config):
     """Which forward `flash_forward_triton` launches (the launches recorded, not run): the Gluon kernel
     where KernelOptions.gluon_fwd asks for it and it applies, with its config; else the Triton kernel."""
     import cs336_systems.flash_triton as ft
 
     calls = []
     monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
-    monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
     monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(ft.flash_gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
     monkeypatch.setattr(ft.flash_gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
@@ -284,7 +293,7 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, opts, min_work, glu
     ({"deterministic": False}, 1 << 30, True, ("triton",)),
 ], ids=["default-small", "default-large", "default-large-two-pass", "deterministic", "keys-on-rows", "off", "on",
         "on-with-config", "auto-keeps-triton-config", "atomic", "atomic-triton", "atomic-keys-on-rows", "atomic-small"])
-def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, single, expected):
+def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_work, single, expected):
     """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon pass (queries on
     rows unless kv_qrows=False; as the single pass with a dQ accumulator unless deterministic=True, where
     its config applies: `single`) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
@@ -294,7 +303,6 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, opts, min_work, single,
     calls = []
     monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
     monkeypatch.setattr(ft, "_tma_ok", lambda *tensors: True)
-    monkeypatch.setattr(ft, "_use_tma", lambda o, *tensors: True)
     monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
     monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(
@@ -423,7 +431,7 @@ def test_flash_split_passes_match_float64(is_causal, tma):
         assert torch.equal(x, y), f"{name} differs between two runs of the split backward"
 
 
-def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch):
+def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch, fresh_plans):
     """The backward op (what torch.compile runs) where its passes split, as short grids do on the GPU (forced
     here): the op's outputs must not share storage (torch.library checks it on every call; dK and dV were once
     one allocation there) and must match float64."""
