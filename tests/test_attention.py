@@ -449,6 +449,90 @@ def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch, fresh_plans
         assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
 
 
+def _plan_call(batch=1, dtype=torch.float32, is_causal=True, scale=None, opts="default", do="contiguous", offset=0,
+               precision="highest"):
+    """flash_forward_triton and flash_backward_triton on (batch, 2 heads, 24, 16) inputs: q at `offset` elements
+    into its buffer (1: not 16-byte aligned), dO "contiguous", "transposed" (from a (B, S, H, D) layout) or
+    "expanded" (o.sum()'s), fp32 dots at `precision`. Gives (O, dQ, dK, dV) and float64 SDPA's."""
+    import cs336_systems.flash_triton as ft
+
+    options = {"default": ft.DEFAULT_OPTIONS, "tma": ft.KernelOptions(tma=True),  # TMA forced, as on a Hopper GPU
+               "deterministic": ft.DETERMINISTIC_OPTIONS, "atomic": ft.ATOMIC_OPTIONS}[opts]
+    gen = torch.Generator().manual_seed(31)
+    shape = (batch, 2, 24, 16)
+    n = batch * 2 * 24 * 16
+    q = torch.randn(offset + n, generator=gen).to(DEVICE)[offset:].view(shape).to(dtype)
+    k, v = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    dos = {"contiguous": lambda: torch.randn(shape, generator=gen),
+           "transposed": lambda: torch.randn(batch, 24, 2, 16, generator=gen).transpose(1, 2),
+           "expanded": lambda: torch.ones(1, 1, 1, 1).expand(shape)}
+    d_o = dos[do]().to(DEVICE, dtype)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        o, lse = ft.flash_forward_triton(q, k, v, is_causal, options, scale)
+        ours = (o, *ft.flash_backward_triton(q, k, v, o, lse, d_o, is_causal, options, scale))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    exact = run(lambda *a: _sdpa64(*a, scale=scale), *(t.double() for t in (q, k, v, d_o)), is_causal)
+    return ours, exact
+
+
+PLAN_PAIRS = {  # a call, then one that differs from it in one thing that flash_triton's host plans are decided from
+    "batch": ({}, {"batch": 2}),  # contiguous: the batch is in no stride, only in the shape
+    "dtype": ({"dtype": torch.bfloat16}, {"dtype": torch.float16}),  # (fp32 would differ in its precision too)
+    "causal": ({}, {"is_causal": False}),
+    "scale": ({}, {"scale": 0.3}),
+    "dO-strides": ({"opts": "tma"}, {"opts": "tma", "do": "transposed"}),
+    "dO-expanded": ({"opts": "tma"}, {"opts": "tma", "do": "expanded"}),
+    "alignment": ({"opts": "tma"}, {"opts": "tma", "offset": 1}),
+    "deterministic": ({"opts": "deterministic"}, {"opts": "atomic"}),
+    "options": ({}, {"opts": "tma"}),
+    "fp32-precision": ({}, {"precision": "high"}),
+}
+
+
+@pytest.mark.parametrize("change", list(PLAN_PAIRS))
+def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans, change):
+    """flash_triton decides once per signature (a host plan) what it launches. A call right after one that differs
+    from it in one thing those decisions read must still match float64, launch just what it launches with no plan
+    made before it (each launch recorded: kernel, grid, arguments other than tensors, constexprs), and reuse a
+    planned launch only with the launcher signature it was planned for (on the GPU its compiled kernel is then
+    called directly, with no signature taken)."""
+    import cs336_systems.flash_triton as ft
+
+    if not torch.cuda.is_available():  # the launcher's signature starts with the current CUDA device
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launches, signatures = [], {}
+    launch, planned = ft._Launcher.__call__, ft._PlannedLaunch.__call__
+
+    def record(self, grid, args, opts=ft.DEFAULT_OPTIONS, **constexprs):
+        launches.append((self.name, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs))
+        return launch(self, grid, args, opts, **constexprs)
+
+    def record_signature(self, buffer, *tensors):
+        signatures.setdefault(self, set()).add(self.launcher._key(self.grid, (*tensors, *self.rest), self.constexprs))
+        return planned(self, buffer, *tensors)
+
+    monkeypatch.setattr(ft._Launcher, "__call__", record)
+    monkeypatch.setattr(ft._PlannedLaunch, "__call__", record_signature)
+    first, second = PLAN_PAIRS[change]
+    _plan_call(**first)
+    launches.clear()
+    ours, exact = _plan_call(**second)
+    after_another = launches.copy()
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+        assert x.dtype == second.get("dtype", torch.float32), f"{name} is {x.dtype}"
+        bound = 1e-5 if x.dtype == torch.float32 else 1e-2
+        assert rel_err(x, ref) <= bound, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+    assert all(len(seen) == 1 for seen in signatures.values()), "a planned launch served two launcher signatures"
+    monkeypatch.setattr(ft, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(ft, "_BACKWARD_PLANS", {})
+    launches.clear()
+    _plan_call(**second)
+    assert after_another == launches
+
+
 @pytest.mark.parametrize("shape,expected", [
     ((16, 16384, 16384, True), 0),        # the leaderboard: ~8 waves of programs, never split
     ((1, 65536, 65536, True), 0),
