@@ -463,10 +463,11 @@ def _plan_call(batch=1, dtype=torch.float32, is_causal=True, scale=None, opts="d
     n = batch * 2 * 24 * 16
     q = torch.randn(offset + n, generator=gen).to(DEVICE)[offset:].view(shape).to(dtype)
     k, v = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    dos = {"contiguous": lambda: torch.randn(shape, generator=gen),
-           "transposed": lambda: torch.randn(batch, 24, 2, 16, generator=gen).transpose(1, 2),
-           "expanded": lambda: torch.ones(1, 1, 1, 1).expand(shape)}
-    d_o = dos[do]().to(DEVICE, dtype)
+    # each layout made on the device (moved to another device, an expanded tensor comes out contiguous)
+    dos = {"contiguous": lambda: torch.randn(shape, generator=gen).to(DEVICE, dtype),
+           "transposed": lambda: torch.randn(batch, 24, 2, 16, generator=gen).to(DEVICE, dtype).transpose(1, 2),
+           "expanded": lambda: torch.ones(1, 1, 1, 1, device=DEVICE, dtype=dtype).expand(shape)}
+    d_o = dos[do]()
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
@@ -496,34 +497,31 @@ PLAN_PAIRS = {  # a call, then one that differs from it in one thing that flash_
 def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans, change):
     """flash_triton decides once per signature (a host plan) what it launches. A call right after one that differs
     from it in one thing those decisions read must still match float64, launch just what it launches with no plan
-    made before it (each launch recorded: kernel, grid, arguments other than tensors, constexprs), and reuse a
-    planned launch only with the launcher signature it was planned for (on the GPU its compiled kernel is then
-    called directly, with no signature taken)."""
+    made before it (each planned launch recorded: kernel, grid, arguments other than tensors, constexprs), and
+    reuse a planned launch only with the launcher signature it was planned for (on the GPU its compiled kernel is
+    then called directly, with no signature taken)."""
     import cs336_systems.flash_triton as ft
 
     if not torch.cuda.is_available():  # the launcher's signature starts with the current CUDA device
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     launches, signatures = [], {}
-    launch, planned = ft._Launcher.__call__, ft._PlannedLaunch.__call__
+    planned = ft._PlannedLaunch.__call__
 
-    def record(self, grid, args, opts=ft.DEFAULT_OPTIONS, **constexprs):
-        launches.append((self.name, grid, [a for a in args if not isinstance(a, torch.Tensor)], constexprs))
-        return launch(self, grid, args, opts, **constexprs)
-
-    def record_signature(self, buffer, *tensors):
+    def record(self, buffer, *tensors):
+        launches.append((self.launcher.name, self.grid, self.rest, self.constexprs))
         signatures.setdefault(self, set()).add(self.launcher._key(self.grid, (*tensors, *self.rest), self.constexprs))
         return planned(self, buffer, *tensors)
 
-    monkeypatch.setattr(ft._Launcher, "__call__", record)
-    monkeypatch.setattr(ft._PlannedLaunch, "__call__", record_signature)
+    monkeypatch.setattr(ft._PlannedLaunch, "__call__", record)
     first, second = PLAN_PAIRS[change]
     _plan_call(**first)
     launches.clear()
     ours, exact = _plan_call(**second)
     after_another = launches.copy()
+    ieee = second.get("dtype", torch.float32) == torch.float32 and second.get("precision", "highest") == "highest"
     for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
         assert x.dtype == second.get("dtype", torch.float32), f"{name} is {x.dtype}"
-        bound = 1e-5 if x.dtype == torch.float32 else 1e-2
+        bound = 1e-5 if ieee else 1e-2  # (TF32 dots on the GPU at "high")
         assert rel_err(x, ref) <= bound, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
     assert all(len(seen) == 1 for seen in signatures.values()), "a planned launch served two launcher signatures"
     monkeypatch.setattr(ft, "_FORWARD_PLANS", {})
