@@ -1051,19 +1051,26 @@ def _check_launchable(q: torch.Tensor) -> None:
 
 
 class _PlannedLaunch:
-    """One kernel launch of a host plan: a launcher with the grid, constexprs and trailing (non-tensor) arguments
-    that its plan fixed; a call passes its tensors. Launches go through the launcher until it hands back the
-    signature's compiled kernel, then straight to its C launch, without the launcher's own signature: the plan's
-    key holds all that one holds (the current device; each tensor's dtype and alignment, the inputs' in the key and
-    those of our own allocations following from their shapes, as fresh blocks are aligned far beyond 16 bytes; the
-    grid, constexprs and other arguments, which follow from the key)."""
+    """One kernel launch of a host plan: a launcher with the grid, constexprs and non-tensor arguments that its plan
+    fixed; a call passes its tensors (and the softmax scale, a float kernel argument in no plan's key, so that calls
+    of varying scales share a plan). Launches go through the launcher until it hands back the signature's compiled
+    kernel, then straight to its C launch, without the launcher's own signature: the plan's key holds all that one
+    holds (the current device; each tensor's dtype and alignment, the inputs' in the key and those of our own
+    allocations following from their shapes, as fresh blocks are aligned far beyond 16 bytes; the grid, constexprs
+    and the other non-float arguments, which follow from the key)."""
 
-    __slots__ = ("launcher", "grid", "rest", "opts", "constexprs", "device", "compiled")
+    __slots__ = ("launcher", "grid", "head", "tail", "opts", "constexprs", "device", "compiled")
 
-    def __init__(self, launcher, grid, rest: tuple, opts: KernelOptions, constexprs: dict, device: int | None):
-        self.launcher, self.grid, self.rest, self.opts, self.constexprs = launcher, grid, rest, opts, constexprs
+    def __init__(self, launcher, grid, head: tuple, tail: tuple | None, opts: KernelOptions, constexprs: dict,
+                 device: int | None):
+        self.launcher, self.grid, self.opts, self.constexprs = launcher, grid, opts, constexprs
+        # the arguments after the tensors: all of them (tail None), or those before the scale and those after it
+        self.head, self.tail = head, tail
         self.device = device  # the current CUDA device of the plan's key: its compiled kernels, its stream
         self.compiled: _Compiled | None = None  # one reference, set in one store: threads may share a plan
+
+    def arguments(self, tensors: tuple, scale: float | None) -> tuple:
+        return (*tensors, *self.head) if self.tail is None else (*tensors, *self.head, scale, *self.tail)
 
     def scratch_size(self) -> int | None:
         """Bytes of global scratch (TMA descriptors) its C launch takes; None while launches go through the
@@ -1071,13 +1078,14 @@ class _PlannedLaunch:
         compiled = self.compiled
         return None if compiled is None or compiled.c_launch is None else compiled.c_launch.scratch_size
 
-    def __call__(self, buffer: torch.Tensor | None, *tensors: torch.Tensor) -> None:
+    def __call__(self, buffer: torch.Tensor | None, *tensors: torch.Tensor, scale: float | None = None) -> None:
         """Launch on this call's tensors; `buffer`: the call's shared scratch (`_SharedScratch`) or None."""
+        args = self.arguments(tensors, scale)
         compiled = self.compiled
         if compiled is None or compiled.c_launch is None:
-            self.compiled = self.launcher(self.grid, (*tensors, *self.rest), self.opts, **self.constexprs)
+            self.compiled = self.launcher(self.grid, args, self.opts, **self.constexprs)
         else:
-            compiled.c_launch(self.device, *tensors, *self.rest, *compiled.tail, buffer=buffer)
+            compiled.c_launch(self.device, *args, *compiled.tail, buffer=buffer)
 
 
 class _SharedScratch:
@@ -1113,14 +1121,14 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
 
 
-def _plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, scale: float | None, opts: KernelOptions) -> tuple:
+def _plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOptions) -> tuple:
     """What a host plan is decided from: each tensor's shape, strides, dtype and 16-byte misalignment (the batch is
     in no stride of a contiguous tensor, only in its shape; alignment decides TMA, the Gluon kernels and Triton's
-    pointer specialization), is_causal, the scale, the options; q's device (its SM count, the Gluon kernels' sm_90
-    check), the fp32 matmul precision, whether launch hooks are installed (then every launch goes through Triton),
-    and last the current CUDA device, whose compiled kernels the plan's launches call."""
+    pointer specialization), is_causal, the options; q's device (its SM count, the Gluon kernels' sm_90 check), the
+    fp32 matmul precision, whether launch hooks are installed (then every launch goes through Triton), and last the
+    current CUDA device, whose compiled kernels the plan's launches call."""
     q = tensors[0]
-    return (*map(_layout, tensors), is_causal, scale, opts, q.device, _precision(q.dtype), launch_hooks_installed(),
+    return (*map(_layout, tensors), is_causal, opts, q.device, _precision(q.dtype), launch_hooks_installed(),
             torch.cuda.current_device() if q.is_cuda else None)
 
 
@@ -1131,7 +1139,7 @@ def _planned_sum(out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: in
     outputs must not share storage."""
     batch, heads, n_rows = out4.shape[:3]
     return _PlannedLaunch(_sum_launch, (batch * heads, -(-n_rows // SUM_TILE), 1),
-                          (out4.stride(), 0, 0, chunks, chunk, heads, n_rows), opts,
+                          (out4.stride(), 0, 0, chunks, chunk, heads, n_rows), None, opts,
                           dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal,
                                ROWS_ARE_KEYS=rows_are_keys), device)
 
@@ -1142,7 +1150,8 @@ class _ForwardPlan:
 
     lse_shape: tuple[int, ...]
     reshape: bool                     # inputs of more than four dims: `_as_bhsd` each call
-    gluon: tuple | None               # (is_causal, scale, config, cached) where the Gluon forward runs; else
+    default_scale: float              # 1/sqrt(D)
+    gluon: tuple | None               # (is_causal, config, cached) where the Gluon forward runs; else
     use_tma: bool = False             # the Triton kernels:
     split: tuple | None = None        # `_split_buffers`' arguments where the keys split (a short grid),
     split_lse_shape: tuple | None = None  # and the partial L's shape
@@ -1155,18 +1164,17 @@ _FORWARD_PLANS: dict[tuple, _ForwardPlan] = {}
 
 
 def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
-                  scale: float | None, device: int | None) -> _ForwardPlan:
+                  device: int | None) -> _ForwardPlan:
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
-    scale = d ** -0.5 if scale is None else float(scale)
     chunk = _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     gluon, gluon_config = _gluon_choice(opts, opts.gluon_fwd, "fwd", batch * heads * n_q * n_k)
     gluon = gluon and not chunk and _tma_wanted(opts) and flash_gluon.fwd_supported(q4, k4, v4, gluon_config)
-    lse_shape, reshape = tuple(q.shape[:-1]), q.ndim > 4
+    lse_shape, reshape, default_scale = tuple(q.shape[:-1]), q.ndim > 4, d ** -0.5
     if gluon:
-        return _ForwardPlan(lse_shape, reshape, (is_causal, scale, gluon_config, not launch_hooks_installed()))
+        return _ForwardPlan(lse_shape, reshape, default_scale, (is_causal, gluon_config, not launch_hooks_installed()))
     o4 = _as_bhsd(_empty_like(q))  # as each call allocates O
     split, split_lse_shape, chunks, out = None, None, 1, o4
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
@@ -1176,15 +1184,15 @@ def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     use_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4, out)
     fwd = _PlannedLaunch(
         _fwd_launch, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
-        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k, scale, chunk), opts,
+        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k), (chunk,), opts,
         dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles, USE_TMA=use_tma,
              PRECISION=_precision(q.dtype), SPLIT=bool(chunk)), device)
     combine = None
     if chunk:
         combine = _PlannedLaunch(_combine_launch, (batch * heads, -(-n_q // PREP_TILE), 1),
-                                 (o4.stride(), chunks, heads, n_q), opts,
+                                 (o4.stride(), chunks, heads, n_q), None, opts,
                                  dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
-    return _ForwardPlan(lse_shape, reshape, None, use_tma, split, split_lse_shape, fwd, combine,
+    return _ForwardPlan(lse_shape, reshape, default_scale, None, use_tma, split, split_lse_shape, fwd, combine,
                         _SharedScratch((fwd,) if combine is None else (fwd, combine)))
 
 
@@ -1194,16 +1202,17 @@ def flash_forward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D))."""
     _check_launchable(q)
-    key = _plan_key((q, k, v), is_causal, scale, opts)
+    key = _plan_key((q, k, v), is_causal, opts)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = _FORWARD_PLANS[key] = _plan_forward(q, k, v, is_causal, opts, scale, key[-1])
+        plan = _FORWARD_PLANS[key] = _plan_forward(q, k, v, is_causal, opts, key[-1])
+    scale = plan.default_scale if scale is None else float(scale)
     o = _empty_like(q)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
     if plan.reshape:
         q, k, v = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     if plan.gluon:
-        is_causal, scale, config, cached = plan.gluon
+        is_causal, config, cached = plan.gluon
         flash_gluon.forward(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), lse, is_causal, scale, config,
                             cached=cached)
         return o, lse
@@ -1214,7 +1223,7 @@ def flash_forward_triton(
         _, (out,) = _split_buffers(*plan.split, q.device)
         out_lse = q.new_empty(plan.split_lse_shape, dtype=torch.float32)
     buffer = plan.scratch()
-    plan.fwd(buffer, q, k, v, out, out_lse)
+    plan.fwd(buffer, q, k, v, out, out_lse, scale=scale)
     if plan.combine:
         plan.combine(buffer, out, out_lse, o, lse)
     return o, lse
@@ -1262,13 +1271,14 @@ class _BackwardPlan:
 
     buffers: _BackwardBuffers
     reshape: bool                     # inputs of more than four dims: `_as_bhsd` each call
+    default_scale: float              # 1/sqrt(D)
     use_tma: bool
     atomic: bool                      # the single pass (dQ accumulated in fp32)
     prep: _PlannedLaunch | None       # the pre-pass: delta (and the atomic design's zeroed dQ accumulator)
     dq: _PlannedLaunch | None         # the two-pass design's dQ pass
     dq_sum: _PlannedLaunch | None     # merges its chunks where it splits
     kv: _PlannedLaunch | None         # the Triton dK/dV pass, or
-    gluon_kv: tuple | None            # (is_causal, scale, config, keywords) of the Gluon one (`flash_gluon.kv_pass`)
+    gluon_kv: tuple | None            # (is_causal, config, keywords) of the Gluon one (`flash_gluon.kv_pass`)
     kv_sums: tuple[_PlannedLaunch, ...]  # dK's and dV's, where the dK/dV pass splits
     cast: _PlannedLaunch | None       # the atomic design's dQ = its accumulator · scale, in q's dtype
     scratch: _SharedScratch
@@ -1278,7 +1288,7 @@ _BACKWARD_PLANS: dict[tuple, _BackwardPlan] = {}
 
 
 def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                   is_causal: bool, opts: KernelOptions, scale: float | None, device: int | None) -> _BackwardPlan:
+                   is_causal: bool, opts: KernelOptions, device: int | None) -> _BackwardPlan:
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
@@ -1296,7 +1306,6 @@ def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     # pass reads dO through pointers and writes the copy the dK/dV pass loads.
     copy_do = inputs_tma and (not _tma_ok(do4) or gluon_single and not do4.is_contiguous())
     d_tile = padded_dim(d)
-    scale = d ** -0.5 if scale is None else float(scale)
     # short grids split a pass's reduction into chunks (the two-pass design only): fp32 partial sums
     dq_chunk = 0 if atomic else _split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
@@ -1314,41 +1323,41 @@ def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     dq4, dk4, dv4, do4, do_tiles, dq_out, dk_out, dv_out = map(
         _as_bhsd, (dq, dk, dv, do_read, do_tiles, dq_out, dk_out, dv_out))
     use_tma = inputs_tma and _tma_ok(do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,)))
-    sizes = (heads, heads // kv_heads, n_q, n_k, scale)
+    sizes = (heads, heads // kv_heads, n_q, n_k)  # (then the scale, which each call passes)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
                   USE_TMA=use_tma, PRECISION=_precision(q.dtype), DP_FIRST=opts.dp_first)
     n_prep = -(-n_q // PREP_TILE)
     prep = dq_pass = dq_sum = kv = gluon_kv = cast = None
     kv_sums = ()
     if not fused:
-        prep = _PlannedLaunch(_prep_launch, (batch * heads, n_prep, 1), (o4.stride(), do4.stride(), heads, n_q), opts,
-                              dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic), device)
+        prep = _PlannedLaunch(_prep_launch, (batch * heads, n_prep, 1), (o4.stride(), do4.stride(), heads, n_q), None,
+                              opts, dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic), device)
     if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
         dq_pass = _PlannedLaunch(
             _dq_launch, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
             (q4.stride(), k4.stride(), v4.stride(), do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(),
-             *sizes, dq_chunk), opts,
+             *sizes), (dq_chunk,), opts,
             dict(**common, FUSED_PREP=fused, COPY_DO=copy_do and fused, SPLIT=bool(dq_chunk)), device)
         if dq_chunk:
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, opts, device)
     if gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles and use_tma
                         and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows)):
-        gluon_kv = (is_causal, scale, gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
+        gluon_kv = (is_causal, gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
     else:
         kv = _PlannedLaunch(
             _kv_launch, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
-            (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes,
-             kv_chunk), opts,
+            (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes),
+            (kv_chunk,), opts,
             dict(**common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk)), device)
     if kv_chunk:
         kv_sums = tuple(_planned_sum(out4, kv_chunks, kv_chunk, d, d_tile, is_causal, True, opts, device)
                         for out4 in (dk4, dv4))
     if atomic:
-        cast = _PlannedLaunch(_cast_launch, (batch * heads, n_prep, 1), (dq4.stride(), heads, n_q, scale), opts,
+        cast = _PlannedLaunch(_cast_launch, (batch * heads, n_prep, 1), (dq4.stride(), heads, n_q), (), opts,
                               dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
     launches = tuple(launch for launch in (prep, dq_pass, dq_sum, kv, *kv_sums, cast) if launch is not None)
-    return _BackwardPlan(buffers, reshape, use_tma, atomic, prep, dq_pass, dq_sum, kv, gluon_kv, kv_sums, cast,
-                         _SharedScratch(launches))
+    return _BackwardPlan(buffers, reshape, d ** -0.5, use_tma, atomic, prep, dq_pass, dq_sum, kv, gluon_kv, kv_sums,
+                         cast, _SharedScratch(launches))
 
 
 def flash_backward_triton(
@@ -1356,10 +1365,11 @@ def flash_backward_triton(
     do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
-    key = _plan_key((q, k, v, o, lse, do), is_causal, scale, opts)
+    key = _plan_key((q, k, v, o, lse, do), is_causal, opts)
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
-        plan = _BACKWARD_PLANS[key] = _plan_backward(q, k, v, o, do, is_causal, opts, scale, key[-1])
+        plan = _BACKWARD_PLANS[key] = _plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+    scale = plan.default_scale if scale is None else float(scale)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     if plan.reshape:
         q, k, v, o, do = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
@@ -1370,13 +1380,13 @@ def flash_backward_triton(
     if plan.prep:
         plan.prep(buffer, o, do, delta, dq_acc)
     if plan.dq:
-        plan.dq(buffer, q, k, v, do, lse, delta, dq_out, o, do_tiles)
+        plan.dq(buffer, q, k, v, do, lse, delta, dq_out, o, do_tiles, scale=scale)
         if plan.dq_sum:
             plan.dq_sum(buffer, dq_out, dq)
     if plan.kv:
-        plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc)
+        plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
     else:
-        is_causal, scale, config, keywords = plan.gluon_kv
+        is_causal, config, keywords = plan.gluon_kv
         flash_gluon.kv_pass(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(do_tiles), lse, delta, _as_bhsd(dk),
                             _as_bhsd(dv), is_causal, scale, config, dq_acc=dq_acc if plan.atomic else None, **keywords)
     if plan.kv_sums:
@@ -1384,7 +1394,7 @@ def flash_backward_triton(
         dk_sum(buffer, dk_out, dk)
         dv_sum(buffer, dv_out, dv)
     if plan.cast:
-        plan.cast(buffer, dq_acc, dq)
+        plan.cast(buffer, dq_acc, dq, scale=scale)
     return dq, dk, dv
 
 

@@ -483,7 +483,6 @@ PLAN_PAIRS = {  # a call, then one that differs from it in one thing that flash_
     "batch": ({}, {"batch": 2}),  # contiguous: the batch is in no stride, only in the shape
     "dtype": ({"dtype": torch.bfloat16}, {"dtype": torch.float16}),  # (fp32 would differ in its precision too)
     "causal": ({}, {"is_causal": False}),
-    "scale": ({}, {"scale": 0.3}),
     "dO-strides": ({"opts": "tma"}, {"opts": "tma", "do": "transposed"}),
     "dO-expanded": ({"opts": "tma"}, {"opts": "tma", "do": "expanded"}),
     "alignment": ({"opts": "tma"}, {"opts": "tma", "offset": 1}),
@@ -507,10 +506,12 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
     launches, signatures = [], {}
     planned = ft._PlannedLaunch.__call__
 
-    def record(self, buffer, *tensors):
-        launches.append((self.launcher.name, self.grid, self.rest, self.constexprs))
-        signatures.setdefault(self, set()).add(self.launcher._key(self.grid, (*tensors, *self.rest), self.constexprs))
-        return planned(self, buffer, *tensors)
+    def record(self, buffer, *tensors, scale=None):
+        args = self.arguments(tensors, scale)
+        launches.append((self.launcher.name, self.grid, [a for a in args if not isinstance(a, torch.Tensor)],
+                         self.constexprs))
+        signatures.setdefault(self, set()).add(self.launcher._key(self.grid, args, self.constexprs))
+        return planned(self, buffer, *tensors, scale=scale)
 
     monkeypatch.setattr(ft._PlannedLaunch, "__call__", record)
     first, second = PLAN_PAIRS[change]
@@ -529,6 +530,18 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
     launches.clear()
     _plan_call(**second)
     assert after_another == launches
+
+
+def test_flash_host_plans_take_the_scale_per_call(fresh_plans):
+    """The scale is a kernel argument, in no plan's key: calls of varying scales share one plan per pass (a plan
+    per scale would grow without bound under a schedule), and each gets its own scale."""
+    import cs336_systems.flash_triton as ft
+
+    for scale in (0.3, None, 0.7):
+        ours, exact = _plan_call(scale=scale)
+        for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+            assert rel_err(x, ref) <= 1e-5, f"scale {scale}, {name}: relative error {rel_err(x, ref):.3g}"
+    assert len(ft._FORWARD_PLANS) == len(ft._BACKWARD_PLANS) == 1
 
 
 @pytest.mark.parametrize("shape,expected", [
