@@ -669,7 +669,7 @@ GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
                  "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS}
 
 
-# Compiled kernels per launch signature (kernel, dtype, head dim, config, causal, the integer arguments,
+# Compiled kernels per launch signature (kernel, grid, dtype, head dim, config, causal, the integer arguments,
 # the alignment of the pointer arguments): (its C launch or None, the compiled kernel). Later launches skip
 # the JIT's argument binder and Triton's per-launch Python and call the C launch (`kernel_launch.CLaunch`),
 # whose wrapper turns the host-side TensorDescriptors into TMA descriptors; where it is None, the compiled
@@ -720,8 +720,9 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
         constexprs["DQ_ATOMIC"] = dq_acc is not None
     constexprs["num_warps"] = warps
     args += (heads, heads // kv_heads, n_q, n_k, scale)
-    key = ("kv_qrows" if qrows else "kv", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal,
-           heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
+    # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
+    key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
+           is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
            dq_acc is not None)
     kernel = flash_bwd_kv_qrows_gluon_kernel if qrows else flash_bwd_kv_gluon_kernel
     return kernel, grid, args, constexprs, key
@@ -754,8 +755,8 @@ def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
             heads // kv_heads, n_q, n_k, scale)
-    key = ("fwd", q4.device.index, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads, heads // kv_heads,
-           n_q, n_k, lse.data_ptr() % 16 == 0)
+    key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0)  # (the grid, as in `_kv_launch_plan`)
     return grid, args, constexprs, key
 
 

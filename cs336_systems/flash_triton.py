@@ -465,8 +465,9 @@ def flash_split_sum_kernel(
 ):
     """Out = the sum over chunks of a split pass's fp32 (chunks, batch·heads, N_ROWS, D_TILE) partial
     sums, in chunk order (bitwise repeatable), in Out's dtype and strides. Grid axis 2 picks one of
-    several such (partials, output) pairs, PART_STEP and OUT_STEP elements apart (dK and dV in one
-    launch). Under causal masking only the chunks that can reach a row tile are read: for query rows
+    several such (partials, output) pairs, PART_STEP and OUT_STEP elements apart; the host launches one
+    pair at a time (dK and dV are separate allocations: the custom op's outputs must not share storage),
+    so that axis is 1 today. Under causal masking only the chunks that can reach a row tile are read: for query rows
     (dQ: chunks of keys) those starting at or before its last row, for key rows (dK, dV: chunks of
     queries) those ending after its first row; the others hold zeros."""
     batch_head, batch, head, first_row, offs, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)

@@ -199,6 +199,44 @@ def test_gluon_forward_cached_launch_repeats_bitwise():
         assert torch.equal(x, y)
 
 
+def test_gluon_launch_keys_hold_the_grid():
+    """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
+    and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first
+    batch's grid: programs missing or past the tensors). CPU placeholders: nothing is launched."""
+    from cs336_systems import flash_gluon
+
+    keys = {}
+    for batch in (1, 2):
+        x = torch.empty(batch, 2, 256, 64, dtype=torch.bfloat16)
+        lse = torch.empty(batch * 2, 256)
+        grid, _, _, fwd_key = flash_gluon._fwd_launch_plan(x, x, x, x, lse, True, 0.125, None)
+        _, kv_grid, _, _, kv_key = flash_gluon._kv_launch_plan(x, x, x, x, lse, lse, x, x, True, 0.125, None, True,
+                                                               torch.empty(batch * 2, 256, 64))
+        assert grid[0] == kv_grid[0] == batch * 2
+        keys[batch] = (fwd_key, kv_key)
+    assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
+
+
+@pytest.mark.gpu
+def test_gluon_launches_key_on_the_batch():
+    """Batches 1, 3, 2 of one shape through the Gluon forward and the Gluon single pass, twice (the second round
+    from the launch caches): each against the Triton kernels on the same inputs."""
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    gluon = KernelOptions(gluon_fwd=True, gluon_kv=True, deterministic=False)
+    plain = KernelOptions(autotune=False, gluon_fwd=False, gluon_kv=False, deterministic=True)
+    for _ in range(2):
+        for batch in (1, 3, 2):
+            q, k, v, do = (randn_cuda(batch, 2, 1024, 64, seed=110 + i, dtype=torch.bfloat16) for i in range(4))
+            o, lse = flash_forward_triton(q, k, v, True, gluon)
+            ref, ref_lse = flash_forward_triton(q, k, v, True, plain)
+            assert rel_err(o, ref) < 1e-2 and (lse - ref_lse).abs().max().item() < 1e-2, f"batch {batch}"
+            ours = flash_backward_triton(q, k, v, o, lse, do, True, gluon)
+            theirs = flash_backward_triton(q, k, v, ref, ref_lse, do, True, plain)
+            for name, x, y in zip(("dQ", "dK", "dV"), ours, theirs):
+                assert rel_err(x, y) < 2e-2, f"batch {batch} {name}: {rel_err(x, y):.3g}"
+
+
 @pytest.mark.gpu
 def test_gluon_launch_cache_keys_on_the_head_dim():
     """Same shape and config at two head dims: each call runs the kernel compiled for its own (a cache keyed
