@@ -1133,6 +1133,12 @@ def _plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOp
             torch.cuda.current_device() if q.is_cuda else None)
 
 
+def _off_current_device(q: torch.Tensor, key: tuple) -> bool:
+    """Whether q is on a CUDA device other than the current one (the last part of its plan key): the kernels launch
+    on the current device, so the call then runs again under a guard that makes q's device current."""
+    return q.is_cuda and key[-1] != q.device.index
+
+
 def _planned_sum(out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int, is_causal: bool,
                  rows_are_keys: bool, opts: KernelOptions, device: int | None) -> _PlannedLaunch:
     """The launch that writes out4 = the sum of the chunks of one partial buffer of `_split_buffers`. One output per
@@ -1204,6 +1210,9 @@ def flash_forward_triton(
     """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D))."""
     _check_launchable(q)
     key = _plan_key((q, k, v), is_causal, opts)
+    if _off_current_device(q, key):
+        with torch.cuda.device(q.device):
+            return flash_forward_triton(q, k, v, is_causal, opts, scale)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         plan = _FORWARD_PLANS[key] = _plan_forward(q, k, v, is_causal, opts, key[-1])
@@ -1367,6 +1376,9 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
     key = _plan_key((q, k, v, o, lse, do), is_causal, opts)
+    if _off_current_device(q, key):
+        with torch.cuda.device(q.device):
+            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale)
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
         plan = _BACKWARD_PLANS[key] = _plan_backward(q, k, v, o, do, is_causal, opts, key[-1])

@@ -132,6 +132,21 @@ def test_flash_fast_launch_path_keeps_specializations_apart():
     assert launch_cache_sizes()["fwd"] >= 3, launch_cache_sizes()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_flash_runs_on_a_device_that_is_not_current():
+    """Inputs on cuda:1 while cuda:0 is current: the kernels launch on the inputs' device (a guard makes it
+    current), forward and backward, and match float64."""
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k, v, do = (randn_cuda(1, 2, 1024, 64, seed=90 + i).to("cuda:1") for i in range(4))
+    with torch.cuda.device(0):
+        ours = run(flash_attention, q, k, v, do, True)
+    exact = run(lambda a, b, c, causal: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                *(t.double() for t in (q, k, v, do)), True)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
+        assert x.device == q.device and rel_err(x, ref) < 1e-2, f"{name}: {x.device}, {rel_err(x, ref):.3g}"
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_flash_fast_launch_path_keys_on_the_batch(is_causal):
     """The batch is in no kernel argument (contiguous strides do not carry it), only in the grid:
