@@ -1158,7 +1158,7 @@ class _ForwardPlan:
     lse_shape: tuple[int, ...]
     reshape: bool                     # inputs of more than four dims: `_as_bhsd` each call
     default_scale: float              # 1/sqrt(D)
-    gluon: tuple | None               # (is_causal, config, cached) where the Gluon forward runs; else
+    gluon: tuple | None               # (config, cached) where the Gluon forward runs; else
     use_tma: bool = False             # the Triton kernels:
     split: tuple | None = None        # `_split_buffers`' arguments where the keys split (a short grid),
     split_lse_shape: tuple | None = None  # and the partial L's shape
@@ -1181,7 +1181,7 @@ def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     gluon = gluon and not chunk and _tma_wanted(opts) and flash_gluon.fwd_supported(q4, k4, v4, gluon_config)
     lse_shape, reshape, default_scale = tuple(q.shape[:-1]), q.ndim > 4, d ** -0.5
     if gluon:
-        return _ForwardPlan(lse_shape, reshape, default_scale, (is_causal, gluon_config, not launch_hooks_installed()))
+        return _ForwardPlan(lse_shape, reshape, default_scale, (gluon_config, not launch_hooks_installed()))
     o4 = _as_bhsd(_empty_like(q))  # as each call allocates O
     split, split_lse_shape, chunks, out = None, None, 1, o4
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
@@ -1222,7 +1222,7 @@ def flash_forward_triton(
     if plan.reshape:
         q, k, v = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     if plan.gluon:
-        is_causal, config, cached = plan.gluon
+        config, cached = plan.gluon
         flash_gluon.forward(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), lse, is_causal, scale, config,
                             cached=cached)
         return o, lse
@@ -1288,7 +1288,7 @@ class _BackwardPlan:
     dq: _PlannedLaunch | None         # the two-pass design's dQ pass
     dq_sum: _PlannedLaunch | None     # merges its chunks where it splits
     kv: _PlannedLaunch | None         # the Triton dK/dV pass, or
-    gluon_kv: tuple | None            # (is_causal, config, keywords) of the Gluon one (`flash_gluon.kv_pass`)
+    gluon_kv: tuple | None            # (config, keywords) of the Gluon one (`flash_gluon.kv_pass`)
     kv_sums: tuple[_PlannedLaunch, ...]  # dK's and dV's, where the dK/dV pass splits
     cast: _PlannedLaunch | None       # the atomic design's dQ = its accumulator · scale, in q's dtype
     scratch: _SharedScratch
@@ -1352,7 +1352,7 @@ def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, opts, device)
     if gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles and use_tma
                         and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows)):
-        gluon_kv = (is_causal, gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
+        gluon_kv = (gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
     else:
         kv = _PlannedLaunch(
             _kv_launch, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
@@ -1399,7 +1399,7 @@ def flash_backward_triton(
     if plan.kv:
         plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
     else:
-        is_causal, config, keywords = plan.gluon_kv
+        config, keywords = plan.gluon_kv
         flash_gluon.kv_pass(_as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(do_tiles), lse, delta, _as_bhsd(dk),
                             _as_bhsd(dv), is_causal, scale, config, dq_acc=dq_acc if plan.atomic else None, **keywords)
     if plan.kv_sums:
