@@ -458,24 +458,21 @@ def flash_fwd_combine_kernel(
 
 @triton.jit
 def flash_split_sum_kernel(
-    Part_ptr, Out_ptr, stride_out, PART_STEP, OUT_STEP,
+    Part_ptr, Out_ptr, stride_out,
     N_CHUNKS, CHUNK, N_HEADS, N_ROWS,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, is_causal: tl.constexpr,
     ROWS_ARE_KEYS: tl.constexpr,
 ):
     """Out = the sum over chunks of a split pass's fp32 (chunks, batch·heads, N_ROWS, D_TILE) partial
-    sums, in chunk order (bitwise repeatable), in Out's dtype and strides. Grid axis 2 picks one of
-    several such (partials, output) pairs, PART_STEP and OUT_STEP elements apart; the host launches one
-    pair at a time (dK and dV are separate allocations: the custom op's outputs must not share storage),
-    so that axis is 1 today. Under causal masking only the chunks that can reach a row tile are read: for query rows
-    (dQ: chunks of keys) those starting at or before its last row, for key rows (dK, dV: chunks of
-    queries) those ending after its first row; the others hold zeros."""
+    sums, in chunk order (bitwise repeatable), in Out's dtype and strides; one launch per output (dK and
+    dV are separate allocations: the custom op's outputs must not share storage). Under causal masking
+    only the chunks that can reach a row tile are read: for query rows (dQ: chunks of keys) those
+    starting at or before its last row, for key rows (dK, dV: chunks of queries) those ending after its
+    first row; the others hold zeros."""
     batch_head, batch, head, first_row, offs, offs_d = _row_tile_program(N_HEADS, Q_TILE_SIZE, D_TILE)
-    pair = tl.program_id(2).to(tl.int64)
     cols = (offs < N_ROWS)[:, None] & (offs_d < D)[None, :]
     chunk_size = tl.num_programs(0).to(tl.int64) * N_ROWS * D_TILE
-    ptrs = (Part_ptr + pair * PART_STEP + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE
-            + offs_d[None, :])
+    ptrs = Part_ptr + (batch_head.to(tl.int64) * N_ROWS + offs)[:, None] * D_TILE + offs_d[None, :]
     lo = 0
     hi = N_CHUNKS
     if is_causal:
@@ -486,7 +483,7 @@ def flash_split_sum_kernel(
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     for c in range(lo, hi):
         acc += tl.load(ptrs + c * chunk_size, mask=cols, other=0.0)
-    out = _row_ptrs(Out_ptr + pair * OUT_STEP, stride_out, batch, head, offs, offs_d)
+    out = _row_ptrs(Out_ptr, stride_out, batch, head, offs, offs_d)
     tl.store(out, acc.to(Out_ptr.dtype.element_ty), mask=cols)
 
 
@@ -1142,11 +1139,11 @@ def _off_current_device(q: torch.Tensor, key: tuple) -> bool:
 def _planned_sum(out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int, is_causal: bool,
                  rows_are_keys: bool, opts: KernelOptions, device: int | None) -> _PlannedLaunch:
     """The launch that writes out4 = the sum of the chunks of one partial buffer of `_split_buffers`. One output per
-    launch: the kernel could write dK and dV in one launch, but only into one allocation, and the custom op's
-    outputs must not share storage."""
+    launch: dK and dV in one launch would need one allocation, and the custom op's outputs must not share
+    storage."""
     batch, heads, n_rows = out4.shape[:3]
-    return _PlannedLaunch(_sum_launch, (batch * heads, -(-n_rows // SUM_TILE), 1),
-                          (out4.stride(), 0, 0, chunks, chunk, heads, n_rows), None, opts,
+    return _PlannedLaunch(_sum_launch, (batch * heads, -(-n_rows // SUM_TILE)),
+                          (out4.stride(), chunks, chunk, heads, n_rows), None, opts,
                           dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal,
                                ROWS_ARE_KEYS=rows_are_keys), device)
 
