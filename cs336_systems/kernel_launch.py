@@ -35,15 +35,18 @@ class CLaunch:
         self.scratch_size, self.current_stream = scratch_size, current_stream
 
     @classmethod
-    def of(cls, compiled, grid: tuple[int, int, int]) -> CLaunch | None:
-        """The C launch of `compiled` (a kernel Triton compiled) at `grid`, or None (see the module)."""
+    def of(cls, compiled, grid: tuple[int, ...]) -> CLaunch | None:
+        """The C launch of `compiled` (a kernel Triton compiled) at `grid` (one to three dims, as Triton takes it;
+        missing dims are 1), or None (see the module)."""
+        if not 1 <= len(grid) <= 3:
+            raise ValueError(f"a launch grid has one to three dims, got {grid!r}")
         launcher = compiled.run
         pieces = ("launch", "num_ctas", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
                   "launch_pdl")
         if not all(hasattr(launcher, p) for p in pieces) or launcher.profile_scratch_size:
             return None
         compiled[grid]  # loads the kernel: compiled.function
-        gx, gy, gz = grid
+        gx, gy, gz = (*grid, 1, 1)[:3]
         return cls(launcher.launch, (gx, gy, gz), compiled.function, launcher.launch_cooperative_grid,
                    launcher.launch_pdl, compiled.packed_metadata,
                    gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size,

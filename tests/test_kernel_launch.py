@@ -1,0 +1,53 @@
+"""`cs336_systems.kernel_launch` on the CPU: a fake compiled kernel stands in for one Triton compiled."""
+
+from types import SimpleNamespace
+
+import pytest
+import triton
+
+from cs336_systems.kernel_launch import CLaunch
+
+
+@pytest.fixture(autouse=True)
+def fake_driver(monkeypatch):
+    """A Triton driver with streams named after their device (the CPU has no active driver)."""
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_stream=lambda d: f"stream{d}"))
+
+
+class FakeCompiled:
+    """What `CLaunch.of` reads of a compiled kernel: its runner's pieces, `function` and packed metadata."""
+
+    def __init__(self, scratch_per_cta: int = 0):
+        self.calls = []
+        self.run = SimpleNamespace(launch=lambda *a: self.calls.append(a), num_ctas=1,
+                                   global_scratch_size=scratch_per_cta, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=False)
+        self.function, self.packed_metadata = "cufunction", "metadata"
+
+    def __getitem__(self, grid):
+        return self
+
+
+@pytest.mark.parametrize("grid,full", [((7,), (7, 1, 1)), ((4, 5), (4, 5, 1)), ((2, 3, 4), (2, 3, 4))])
+def test_c_launch_pads_short_grids_with_ones(grid, full):
+    """Our small kernels launch on 2-D grids: the C launch gets three dims (missing ones 1), and the global scratch
+    it allocates counts every program."""
+    compiled = FakeCompiled(scratch_per_cta=128)
+    launch = CLaunch.of(compiled, grid)
+    assert launch.grid == full
+    assert launch.scratch_size == 128 * full[0] * full[1] * full[2]
+
+
+def test_c_launch_passes_the_full_grid_and_arguments():
+    compiled = FakeCompiled()
+    launch = CLaunch.of(compiled, (4, 5))
+    launch(0, "a", 1)
+    (call,) = compiled.calls
+    assert call[:5] == (4, 5, 1, "stream0", "cufunction")
+    assert call[-2:] == ("a", 1)
+
+
+@pytest.mark.parametrize("grid", [(), (1, 2, 3, 4)])
+def test_c_launch_rejects_grids_of_other_ranks(grid):
+    with pytest.raises(ValueError, match="one to three dims"):
+        CLaunch.of(FakeCompiled(), grid)
