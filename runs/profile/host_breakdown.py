@@ -59,6 +59,18 @@ def profile_text(fn, calls: int = 200, rows: int = 30, sort: str = "tottime") ->
     return s.getvalue()
 
 
+def profiler_text(fn, calls: int = 50, rows: int = 25) -> str:
+    """torch.profiler's CPU-side table (self time per op and runtime call) over `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -88,6 +100,11 @@ def main() -> None:
     say(f"flash_forward_triton: {host_us(lambda: ft.flash_forward_triton(q, k, v, True), args.iters):.1f}")
     say(f"flash_backward_triton: {host_us(lambda: ft.flash_backward_triton(q, k, v, o, lse, do, True), args.iters):.1f}")
     say(f"fast launch path, cached signatures: {ft.launch_cache_sizes()}")
+    scale = 64 ** -0.5
+    say(f"torch.ops.cs336.flash_attn_fwd (the custom op, what compiled graphs call): "
+        f"{host_us(lambda: torch.ops.cs336.flash_attn_fwd(q, k, v, True, scale), args.iters):.1f}")
+    say(f"torch.ops.cs336.flash_attn_bwd: "
+        f"{host_us(lambda: torch.ops.cs336.flash_attn_bwd(do, q, k, v, o, lse, True, scale, None), args.iters):.1f}")
     say(f"FlashAttention2Triton.apply, no grad: "
         f"{host_us(lambda: ft.FlashAttention2Triton.apply(q, k, v, True), args.iters):.1f}")
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -116,8 +133,12 @@ def main() -> None:
         say(f"compiled mode={mode}: fwd+bwd do_bench median {ms * 1e3:.1f} µs; "
             f"host per step {host_us(lambda: step(attn), args.iters):.1f}")
         if mode is None:
+            cfwd = lambda: attn(qg, kg, vg, True)  # noqa: E731
+            say(f"compiled forward alone (requires_grad): host {host_us(cfwd, args.iters):.1f}")
             say("--- cProfile, compiled forward x200 (cumulative)\n"
-                + profile_text(lambda: attn(qg, kg, vg, True), sort="cumulative", rows=45))
+                + profile_text(cfwd, sort="cumulative", rows=45))
+            say("--- torch.profiler, compiled forward x50 (CPU self time)\n" + profiler_text(cfwd))
+            say("--- torch.profiler, compiled step x50 (CPU self time)\n" + profiler_text(lambda: step(attn)))
         say(f"after compiling: fast path {ft.launch_cache_sizes()}, hooks installed {ft.launch_hooks_installed()}")
     ms = triton.testing.do_bench(lambda: step(eager), return_mode="median")
     say(f"eager: fwd+bwd do_bench median {ms * 1e3:.1f} µs; host per step {host_us(lambda: step(eager), args.iters):.1f}")
