@@ -2,9 +2,11 @@
 
 Batch 1, 16 heads, seq 1024, d 64, bf16, causal. Host µs per call (median of --iters; the queue
 drained before each call, not after) of the layers of our op, from a bare Triton launch up to
-torch.autograd.grad, then cProfile of the forward and the backward, the state of our cached launch
-path, and the compiled (default and reduce-overhead) calls: do_bench fwd+bwd, host time per step
-and cProfile of the compiled forward. Everything goes to --out (text); the cs336-bench `overhead` rows are the recorded figures.
+torch.autograd.grad (and the custom ops compiled graphs call), the same with the GPU kept busy (a call
+that waits on the GPU shows there), then cProfile of the forward and the backward, the state of our
+cached launch path, and the compiled (default and reduce-overhead) calls: do_bench fwd+bwd, host time
+per step, cProfile and torch.profiler tables. Everything goes to --out (text); the cs336-bench
+`overhead` rows are the recorded figures.
 
     python3 runs/profile/host_breakdown.py --out $OUT/host_breakdown.txt
 """
@@ -38,6 +40,22 @@ def host_us(fn, iters: int) -> float:
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_us_busy(fn, iters: int, cycles: int = 4_000_000) -> float:
+    """host_us with the GPU kept busy by a sleep kernel (~2 ms) queued before each call: a call that waits on the
+    GPU (a synchronization, a blocking copy or free) takes about the sleep longer here than in host_us."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e6)
@@ -113,6 +131,14 @@ def main() -> None:
     og = fwd()
     bwd = lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
     say(f"torch.autograd.grad: {host_us(bwd, args.iters):.1f}")
+    fwd_grad = lambda: torch.autograd.grad(fwd(), (qg, kg, vg), do)  # noqa: E731
+    say(f"apply + torch.autograd.grad (no retain_graph, one training step's attention): "
+        f"{host_us(fwd_grad, args.iters):.1f}")
+    busy_iters = min(args.iters, 50)
+    for name, fn in (("flash_forward_triton", lambda: ft.flash_forward_triton(q, k, v, True)),
+                     ("flash_backward_triton", lambda: ft.flash_backward_triton(q, k, v, o, lse, do, True)),
+                     ("apply, requires_grad", fwd), ("torch.autograd.grad", bwd), ("apply + autograd.grad", fwd_grad)):
+        say(f"GPU busy (2 ms sleep queued first), {name}: host {host_us_busy(fn, busy_iters):.1f}")
     say(f"GPU (do_bench median µs): fwd {triton.testing.do_bench(fwd, return_mode='median') * 1e3:.1f}, "
         f"bwd {triton.testing.do_bench(bwd, return_mode='median') * 1e3:.1f}")
     say("--- cProfile forward (apply, requires_grad) x200\n" + profile_text(fwd))
@@ -140,6 +166,8 @@ def main() -> None:
             say("--- torch.profiler, compiled forward x50 (CPU self time)\n" + profiler_text(cfwd))
             say("--- torch.profiler, compiled step x50 (CPU self time)\n" + profiler_text(lambda: step(attn)))
         say(f"after compiling: fast path {ft.launch_cache_sizes()}, hooks installed {ft.launch_hooks_installed()}")
+    say(f"GPU busy (2 ms sleep queued first), eager step: host {host_us_busy(lambda: step(eager), 50):.1f}")
+    say("--- torch.profiler, eager step x50 (CPU self time)\n" + profiler_text(lambda: step(eager)))
     ms = triton.testing.do_bench(lambda: step(eager), return_mode="median")
     say(f"eager: fwd+bwd do_bench median {ms * 1e3:.1f} µs; host per step {host_us(lambda: step(eager), args.iters):.1f}")
     with open(args.out, "w") as f:
