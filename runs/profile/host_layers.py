@@ -5,6 +5,9 @@ of one call with the GPU drained before it (as `cs336-bench overhead` times host
 --rounds rounds of --calls back-to-back calls (the GPU drained before each round) divided by --calls: the
 steady-state host cost. Stand-ins: a trivial `autograd.Function` and a trivial `torch.library.custom_op`
 (each allocating one output like q), so the layers PyTorch adds can be told apart from ours; SDPA beside.
+A third column, `busy`, times one call with the GPU kept busy by a sleep kernel (~1 ms) queued before it, as in
+a training step, where the host runs ahead of the GPU: a layer that waits on the GPU, or whose driver calls
+cost more while it runs, shows there.
 
     python3 runs/profile/host_layers.py --out $OUT/host_layers.txt
 """
@@ -18,9 +21,16 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from cs336_systems import flash_triton as ft
 from cs336_systems.validation import check_attention_inputs
+
+
+@triton.jit
+def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
 class _Trivial(torch.autograd.Function):
@@ -55,6 +65,18 @@ def synced_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def busy_us(fn, iters: int, cycles: int = 2_000_000) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def b2b_us(fn, calls: int, rounds: int) -> float:
     per_call = []
     for _ in range(rounds):
@@ -73,6 +95,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--busy-iters", type=int, default=60)
     args = ap.parse_args()
     q, k, v, do = (torch.randn(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -81,8 +104,11 @@ def main() -> None:
     og = ft.FlashAttention2Triton.apply(qg, kg, vg, True)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         sg = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    x = torch.zeros(1024, device="cuda")
     layers = {
         "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "x.add_(1) (one PyTorch kernel)": lambda: x.add_(1),
+        "triton noop kernel (JIT launch)": lambda: _noop_kernel[(1,)](x, 1024, BLOCK=1024),
         "check_attention_inputs": lambda: check_attention_inputs(q, k, v, True),
         "trivial autograd.Function, no grad": lambda: _Trivial.apply(q, k, v, True),
         "trivial autograd.Function, requires_grad": lambda: _Trivial.apply(qg, kg, vg, True),
@@ -101,16 +127,22 @@ def main() -> None:
                                                                                  retain_graph=True),
         "SDPA flash: torch.autograd.grad (retain_graph)": lambda: torch.autograd.grad(sg, (qg, kg, vg), do,
                                                                                      retain_graph=True),
+        "ours: apply + autograd.grad (one step)": lambda: torch.autograd.grad(
+            ft.FlashAttention2Triton.apply(qg, kg, vg, True), (qg, kg, vg), do),
+        "SDPA flash: sdpa + autograd.grad (one step)": lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=True), (qg, kg, vg), do),
     }
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
              f"shape (1, 16, 1024, 64) bf16 causal; synced: median of {args.iters} calls; b2b: median of "
              f"{args.rounds} rounds of {args.calls} back-to-back calls, per call",
-             f"{'layer':<48} {'synced µs':>10} {'b2b µs':>10}"]
+             f"busy: median of {args.busy_iters} calls, each after a ~1 ms sleep kernel",
+             f"{'layer':<48} {'synced µs':>10} {'b2b µs':>10} {'busy µs':>10}"]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         for name, fn in layers.items():
             for _ in range(20):
                 fn()
-            lines.append(f"{name:<48} {synced_us(fn, args.iters):10.1f} {b2b_us(fn, args.calls, args.rounds):10.1f}")
+            lines.append(f"{name:<48} {synced_us(fn, args.iters):10.1f} {b2b_us(fn, args.calls, args.rounds):10.1f} "
+                         f"{busy_us(fn, args.busy_iters):10.1f}")
             print(lines[-1], flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
