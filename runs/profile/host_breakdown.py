@@ -17,8 +17,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
 import triton
@@ -26,6 +24,7 @@ import triton.language as tl
 import triton.testing
 
 from cs336_systems import flash_triton as ft
+from host_layers import synced_us  # this directory's diagnostic (a script's directory is on sys.path)
 
 
 @triton.jit
@@ -37,30 +36,15 @@ def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
 def host_us(fn, iters: int) -> float:
     for _ in range(5):
         fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return synced_us(fn, iters)
 
 
-def host_us_busy(fn, iters: int, cycles: int = 4_000_000) -> float:
+def host_us_busy(fn, iters: int) -> float:
     """host_us with the GPU kept busy by a sleep kernel (~2 ms) queued before each call: a call that waits on the
     GPU (a synchronization, a blocking copy or free) takes about the sleep longer here than in host_us."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return synced_us(fn, iters, 4_000_000)
 
 
 def profile_text(fn, calls: int = 200, rows: int = 30, sort: str = "tottime") -> str:

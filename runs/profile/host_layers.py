@@ -54,22 +54,14 @@ def _(q, k, v, is_causal, scale):
     return torch.empty_like(q)
 
 
-def synced_us(fn, iters: int) -> float:
+def synced_us(fn, iters: int, sleep_cycles: int = 0) -> float:
+    """Median µs of one call of fn, the GPU drained before each; with sleep_cycles, a sleep kernel of that many
+    cycles queued first (the GPU busy while the call runs)."""
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def busy_us(fn, iters: int, cycles: int = 2_000_000) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e6)
@@ -142,7 +134,7 @@ def main() -> None:
             for _ in range(20):
                 fn()
             lines.append(f"{name:<48} {synced_us(fn, args.iters):10.1f} {b2b_us(fn, args.calls, args.rounds):10.1f} "
-                         f"{busy_us(fn, args.busy_iters):10.1f}")
+                         f"{synced_us(fn, args.busy_iters, 2_000_000):10.1f}")
             print(lines[-1], flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
