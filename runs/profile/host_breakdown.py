@@ -20,17 +20,10 @@ import pstats
 
 import torch
 import triton
-import triton.language as tl
 import triton.testing
 
 from cs336_systems import flash_triton as ft
-from host_layers import synced_us  # this directory's diagnostic (a script's directory is on sys.path)
-
-
-@triton.jit
-def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+from host_layers import noop_kernel, synced_us  # this directory's diagnostic (a script's directory is on sys.path)
 
 
 def host_us(fn, iters: int) -> float:
@@ -89,8 +82,8 @@ def main() -> None:
 
     q, k, v, do = (torch.randn(1, 16, args.seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     x = torch.zeros(1024, device="cuda")
-    jit_launch = lambda: _noop_kernel[(1,)](x, 1024, BLOCK=1024)  # noqa: E731
-    compiled = _noop_kernel[(1,)](x, 1024, BLOCK=1024)
+    jit_launch = lambda: noop_kernel[(1,)](x, 1024, BLOCK=1024)  # noqa: E731
+    compiled = noop_kernel[(1,)](x, 1024, BLOCK=1024)
     direct = lambda: compiled[(1, 1, 1)](x, 1024, 1024)  # noqa: E731  (constexprs too)
     say(f"triton noop, JITFunction launch: {host_us(jit_launch, args.iters):.1f}")
     say(f"triton noop, CompiledKernel[grid](...): {host_us(direct, args.iters):.1f}")
