@@ -639,6 +639,67 @@ def flash_bwd_dq_cast_kernel(
     tl.store(out, (acc * scale).to(dQ_ptr.dtype.element_ty), mask=rows & (offs_d < D)[None, :])
 
 
+
+# Entry points for Inductor (`torch.library.triton_op`, section 4): the same kernels, unsplit and with the
+# two-pass design's arguments fixed, taking each (batch, head, seq, d) stride as its own integer, since
+# the user-defined kernels Inductor launches take tensors and scalars, not tuples.
+
+
+@triton.jit
+def flash_fwd_flat_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+):
+    """`flash_fwd_kernel` without SPLIT."""
+    flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3),
+                     (sv0, sv1, sv2, sv3), (so0, so1, so2, so3), N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
+                     D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION, False,
+                     CHECK_Q, CHECK_K, CHECK_D)
+
+
+@triton.jit
+def flash_bwd_dq_flat_kernel(
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sdo0, sdo1, sdo2, sdo3,
+    sdq0, sdq1, sdq2, sdq3, so0, so1, so2, so3, sc0, sc1, sc2, sc3,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DP_FIRST: tl.constexpr, COPY_DO: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr,
+    CHECK_D: tl.constexpr,
+):
+    """`flash_bwd_dq_kernel` with FUSED_PREP, without SPLIT."""
+    flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
+                        (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
+                        (sdq0, sdq1, sdq2, sdq3), (so0, so1, so2, so3), (sc0, sc1, sc2, sc3),
+                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
+                        D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
+                        DP_FIRST, True, COPY_DO, False, CHECK_Q, CHECK_K, CHECK_D)
+
+
+@triton.jit
+def flash_bwd_kv_flat_kernel(
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sdo0, sdo1, sdo2, sdo3,
+    sdk0, sdk1, sdk2, sdk3, sdv0, sdv1, sdv2, sdv3,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
+    is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DP_FIRST: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+):
+    """`flash_bwd_kv_kernel` of the two-pass design (no DQ_ATOMIC: dK stands in for the unused dQ
+    accumulator), without SPLIT."""
+    flash_bwd_kv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dK_ptr,
+                        (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
+                        (sdk0, sdk1, sdk2, sdk3), (sdv0, sdv1, sdv2, sdv3),
+                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
+                        D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
+                        False, DP_FIRST, False, CHECK_Q, CHECK_K, CHECK_D)
+
 # (Q_TILE_SIZE, K_TILE_SIZE, warps, stages). The first of each list won the H200 sweeps at d = 64
 # (runs/kernels, NOTES.md); 8-warp ones serve d = 128; LARGE_D ones only d > 128 (and only they do).
 FWD_CONFIGS = make_configs(
@@ -669,6 +730,12 @@ flash_bwd_kv_autotuned = _autotuned(flash_bwd_kv_kernel, KV_CONFIGS + LARGE_D_KV
 flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ,
                                     ["DP_FIRST", "FUSED_PREP", "COPY_DO", "SPLIT"])
 
+
+# Inductor runs their autotuner's configs and prune itself (no `reset_to_zero`: these kv programs write
+# all of dK and dV)
+flash_fwd_flat_autotuned = _autotuned(flash_fwd_flat_kernel, FWD_CONFIGS + LARGE_D_FWD)
+flash_bwd_dq_flat_autotuned = _autotuned(flash_bwd_dq_flat_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST", "COPY_DO"])
+flash_bwd_kv_flat_autotuned = _autotuned(flash_bwd_kv_flat_kernel, KV_CONFIGS + LARGE_D_KV, ["DP_FIRST"])
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -870,17 +937,13 @@ def _as_bhsd(t: torch.Tensor) -> torch.Tensor:
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and strides, and a contiguous last dim."""
-    for t in tensors:
-        if t.data_ptr() % 16:
-            return False
-        *outer, last = t.stride()
-        if last != 1:
-            return False
-        per16 = 16 // t.element_size()
-        for s in outer:
-            if s % per16:
-                return False
-    return True
+    return all(t.data_ptr() % 16 == 0 and _tma_strides_ok(t) for t in tensors)
+
+
+def _tma_strides_ok(t: torch.Tensor) -> bool:
+    *outer, last = t.stride()
+    per16 = 16 // t.element_size()
+    return last == 1 and all(s % per16 == 0 for s in outer)
 
 
 def _tma_wanted(opts: KernelOptions) -> bool:
@@ -1437,36 +1500,138 @@ def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts:
 # 4. Ops, autograd.Function, functional API
 # ----------------------------------------------------------------------------------------------
 
-# Custom ops make the kernels one opaque node each under torch.compile (no graph break; CUDA graphs
-# capture them). Inductor cannot re-generate these kernels through `triton_op`: they build TMA
-# descriptors in the kernel (global scratch through triton.set_allocator) and tune with an
-# early-prune hook, neither of which user-defined Triton kernels may use under Inductor in torch 2.11.
+# Two ops, `cs336::flash_attn_fwd` and `cs336::flash_attn_bwd`, are what compiled graphs call (no graph break;
+# CUDA graphs capture them). They are `triton_op`s: torch.compile traces their bodies, and where a call runs
+# the Triton kernels alone, unsplit (a CUDA GPU, less than GLUON_MIN_WORK: the short calls, which are bound by
+# host time), Inductor launches the flat entry kernels itself (`wrap_triton`), with no Python of ours in the
+# compiled call. Every other call (the Gluon kernels, split passes, the atomic design, the CPU) goes to an
+# opaque custom op (`..._launch`) running the launchers above; so does an eager call of the ops.
 
 
-@torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=(), device_types=None)
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H."""
+def _plain(t: torch.Tensor) -> bool:
+    """Whether an op body runs eagerly on real tensors (not fake or functional ones, as when traced)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _tma_ok_traced(*tensors: torch.Tensor) -> bool:
+    """`_tma_ok` from metadata (tensors being traced have no data): Inductor aligns what it allocates and
+    copies an input whose storage is misaligned, so the storage offset stands for the pointer."""
+    return all(t.storage_offset() * t.element_size() % 16 == 0 and _tma_strides_ok(t) for t in tensors)
+
+
+def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
+    """Whether a traced call runs the flat entry kernels, launched by Inductor: CUDA (no interpreter), below
+    GLUON_MIN_WORK (where the Gluon kernels take over), and no pass splits."""
+    if q.device.type != "cuda" or INTERPRET:
+        return False
+    q4, k4 = _as_bhsd(q), _as_bhsd(k)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    if batch * heads * n_q * n_k >= GLUON_MIN_WORK:
+        return False
+    return not (_split_rows(DEFAULT_OPTIONS, batch * heads, n_q, n_k, is_causal, d, q.device)
+                or _split_rows(DEFAULT_OPTIONS, batch * heads, n_k, n_q, is_causal, d, q.device))
+
+
+def _flat(kernel):
+    """A flat entry kernel as an op body launches it: through `wrap_triton` (traced by Inductor; called straight
+    through otherwise), or directly under the interpreter, whose kernels `wrap_triton` does not take."""
+    return kernel if INTERPRET else torch.library.wrap_triton(kernel)
+
+
+def _strides(*tensors: torch.Tensor) -> tuple:
+    return tuple(s for t in tensors for s in t.stride())
+
+
+def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) by the flat forward kernel, as `flash_forward_triton` computes them for an `_inlined` call."""
+    q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    d = int(d)  # a constexpr: specialized under dynamic shapes
+    o = _empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    o4 = _as_bhsd(o)
+    use_tma = _tma_wanted(DEFAULT_OPTIONS) and _tma_ok_traced(q4, k4, v4, o4)
+    _flat(flash_fwd_flat_autotuned)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
+        q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, heads // kv_heads, n_q, n_k, scale,
+        D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
+        PRECISION=_precision(q.dtype))
+    return o, lse
+
+
+def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
+    """(dQ, dK, dV) by the two-pass design's flat kernels (the dQ pass with the pre-pass fused, then the dK/dV
+    pass), as `flash_backward_triton` computes them for an `_inlined` call."""
+    q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    d = int(d)
+    inputs_tma = _tma_wanted(DEFAULT_OPTIONS) and _tma_ok_traced(q4, k4, v4)
+    copy_do = inputs_tma and not _tma_ok_traced(do4)  # (o.sum()'s expanded dO: see `_plan_backward`)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
+    delta = q.new_empty((batch * heads, n_q), dtype=torch.float32)
+    do_tiles = _as_bhsd(_empty_like(do4)) if copy_do else do4
+    use_tma = inputs_tma and _tma_ok_traced(do_tiles, dq4, dk4, dv4)
+    sizes = (heads, heads // kv_heads, n_q, n_k, scale)
+    common = dict(D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
+                  PRECISION=_precision(q.dtype), DP_FIRST=True)
+    _flat(flash_bwd_dq_flat_autotuned)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
+        q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, *_strides(q4, k4, v4, do4, dq4, o4, do_tiles), *sizes,
+        **common, COPY_DO=copy_do)
+    _flat(flash_bwd_kv_flat_autotuned)[TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE")](
+        q4, k4, v4, do_tiles, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do_tiles, dk4, dv4), *sizes, **common)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("cs336::flash_attn_fwd_launch", mutates_args=(), device_types=None)
+def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attn_fwd` by the launchers, opaque to torch.compile."""
     return attention_forward(q, k, v, is_causal, scale)
 
 
-@flash_attn_fwd.register_fake
+@flash_attn_fwd_launch.register_fake
 def _(q, k, v, is_causal, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("cs336::flash_attn_bwd_launch", mutates_args=(), device_types=None)
+def flash_attn_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, is_causal: bool, scale: float,
+                          deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flash_attn_bwd` by the launchers, opaque to torch.compile."""
+    return attention_backward(do, q, k, v, o, lse, is_causal, scale, _OPTIONS[deterministic])
+
+
+@flash_attn_bwd_launch.register_fake
+def _(do, q, k, v, o, lse, is_causal, scale, deterministic):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H."""
+    if _plain(q):
+        return attention_forward(q, k, v, is_causal, scale)
+    if _inlined(q, k, is_causal):
+        return forward_inlined(q, k, v, is_causal, scale)
+    return flash_attn_fwd_launch(q, k, v, is_causal, scale)
+
+
+@torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, scale: float,
                    deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design)."""
-    return attention_backward(do, q, k, v, o, lse, is_causal, scale, _OPTIONS[deterministic])
-
-
-@flash_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, is_causal, scale, deterministic):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if _plain(q):
+        return attention_backward(do, q, k, v, o, lse, is_causal, scale, _OPTIONS[deterministic])
+    if deterministic is not False and _inlined(q, k, is_causal):
+        return backward_inlined(do, q, k, v, o, lse, is_causal, scale)
+    return flash_attn_bwd_launch(do, q, k, v, o, lse, is_causal, scale, deterministic)
 
 
 def _op_setup_context(ctx, inputs, output):

@@ -404,6 +404,30 @@ def test_flash_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fuse
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("tma", [False, True], ids=["block-pointers", "tma"])
+@pytest.mark.parametrize("do_layout", ["contiguous", "expanded"])
+def test_flash_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_layout):
+    """The op bodies Inductor traces on a GPU (`forward_inlined`, `backward_inlined`: the flat entry kernels, each
+    stride its own argument) compute the same function, here through the interpreter: GQA, ragged Nq != Nk, dO
+    contiguous or o.sum()'s expand (copied by the dQ pass where the passes load through TMA)."""
+    import cs336_systems.flash_triton as ft
+
+    monkeypatch.setattr(ft, "_tma_default", lambda: tma)  # TMA where the GPU has it: forced either way here
+    gen = torch.Generator().manual_seed(19)
+    q = torch.randn(2, 4, 40, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 2, 56, 32, generator=gen).to(DEVICE) for _ in range(2))
+    do = torch.randn(q.shape, generator=gen) if do_layout == "contiguous" else torch.ones(1, 1, 1, 1).expand(q.shape)
+    do = do.to(DEVICE)
+    o, lse = ft.forward_inlined(q, k, v, is_causal, 0.3)
+    grads = ft.backward_inlined(do, q, k, v, o, lse, is_causal, 0.3)
+    exact = run(lambda *a: _sdpa64(*a, scale=0.3, group=2), *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), exact):
+        assert x.shape == ref.shape and x.is_contiguous(), f"{name}: shape {tuple(x.shape)}, strides {x.stride()}"
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+    assert torch.equal(lse, ft.flash_forward_triton(q, k, v, is_causal, ft.KernelOptions(tma=tma), 0.3)[1])
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("tma", [None, True], ids=["default", "tma-forced"])
 def test_flash_split_passes_match_float64(is_causal, tma):
     """Short grids split each pass's reduction into chunks (forced here: 128 rows, so 3 chunks), merged
