@@ -655,6 +655,7 @@ def flash_fwd_flat_kernel(
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
 ):
     """`flash_fwd_kernel` without SPLIT."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64 (Triton's own launcher as fp32)
     flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3),
                      (sv0, sv1, sv2, sv3), (so0, so1, so2, so3), N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
                      D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION, False,
@@ -673,6 +674,7 @@ def flash_bwd_dq_flat_kernel(
     CHECK_D: tl.constexpr,
 ):
     """`flash_bwd_dq_kernel` with FUSED_PREP, without SPLIT."""
+    scale = tl.cast(scale, tl.float32)
     flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
                         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
                         (sdq0, sdq1, sdq2, sdq3), (so0, so1, so2, so3), (sc0, sc1, sc2, sc3),
@@ -693,6 +695,7 @@ def flash_bwd_kv_flat_kernel(
 ):
     """`flash_bwd_kv_kernel` of the two-pass design (no DQ_ATOMIC: dK stands in for the unused dQ
     accumulator), without SPLIT."""
+    scale = tl.cast(scale, tl.float32)
     flash_bwd_kv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dK_ptr,
                         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
                         (sdk0, sdk1, sdk2, sdk3), (sdv0, sdv1, sdv2, sdv3),
@@ -1553,6 +1556,8 @@ def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tenso
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     o4 = _as_bhsd(o)
     use_tma = _tma_wanted(DEFAULT_OPTIONS) and _tma_ok_traced(q4, k4, v4, o4)
+    if use_tma:  # for launches outside Inductor's (an eager call, aot_eager); Inductor sets its own
+        triton.set_allocator(scratch)
     _flat(flash_fwd_flat_autotuned)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
         q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, heads // kv_heads, n_q, n_k, scale,
         D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
@@ -1574,6 +1579,8 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
     delta = q.new_empty((batch * heads, n_q), dtype=torch.float32)
     do_tiles = _as_bhsd(_empty_like(do4)) if copy_do else do4
     use_tma = inputs_tma and _tma_ok_traced(do_tiles, dq4, dk4, dv4)
+    if use_tma:
+        triton.set_allocator(scratch)
     sizes = (heads, heads // kv_heads, n_q, n_k, scale)
     common = dict(D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
                   PRECISION=_precision(q.dtype), DP_FIRST=True)

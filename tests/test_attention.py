@@ -424,7 +424,8 @@ def test_flash_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_lay
     for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), exact):
         assert x.shape == ref.shape and x.is_contiguous(), f"{name}: shape {tuple(x.shape)}, strides {x.stride()}"
         assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
-    assert torch.equal(lse, ft.flash_forward_triton(q, k, v, is_causal, ft.KernelOptions(tma=tma), 0.3)[1])
+    lse_launchers = ft.flash_forward_triton(q, k, v, is_causal, ft.KernelOptions(tma=tma), 0.3)[1]
+    assert torch.allclose(lse, lse_launchers, rtol=1e-6, atol=1e-6), "L differs from the launchers' (natural log)"
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
@@ -706,7 +707,8 @@ def test_flash_ops_pass_opcheck():
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_flash_fullgraph_compile_matches_eager(is_causal):
-    """torch.compile(fullgraph=True) traces the functional API and the adapters' class with no break."""
+    """torch.compile(fullgraph=True) traces the functional API and the adapters' class with no break (on a GPU,
+    Inductor launches and tunes the kernels of this short call itself: float64's rule, not eager's bits)."""
     from cs336_systems.flash_triton import FlashAttention2Triton, flash_attention
 
     q, k, v, do = make_inputs((2, 48, 48, 16), torch.float32, DEVICE, seed=12)
@@ -714,8 +716,10 @@ def test_flash_fullgraph_compile_matches_eager(is_causal):
     torch._dynamo.reset()
     for fn in (flash_attention, FlashAttention2Triton.apply):
         compiled = run(torch.compile(fn, fullgraph=True), q, k, v, do, is_causal)
-        for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
-            assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
+        check_against_float64(compiled, q, k, v, do, is_causal, FP32_RULE)
+        if DEVICE == "cpu":  # the interpreter: compiled graphs call the launch ops, as eager calls do
+            for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
+                assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
 
 
 def test_flash_head_dim_256():
