@@ -686,6 +686,60 @@ def test_flash_reads_triton_interpret_as_triton_does():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+_MUTATIONS_CODE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors
+
+
+class Hopper:  # what TTIR generation asks of the active driver: the target (no GPU needed)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(Hopper())
+import cs336_systems.flash_triton as ft
+
+tile = torch.empty(1, 4, 128, 64, dtype=torch.bfloat16)
+rows = torch.empty(4, 128)
+sizes = [4, 1, 128, 128, 0.125]  # N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale
+for use_tma in (True, False):
+    constexprs = dict(D=64, D_TILE=64, Q_TILE_SIZE=64, K_TILE_SIZE=64, is_causal=True, SKIP_MASKED_TILES=True,
+                      USE_TMA=use_tma, PRECISION="tf32", CHECK_Q=False, CHECK_K=False, CHECK_D=False,
+                      DP_FIRST=True, COPY_DO=True)
+    for kernel, n_tensors in ((ft.flash_fwd_flat_kernel, 5), (ft.flash_bwd_dq_flat_kernel, 9),
+                              (ft.flash_bwd_kv_flat_kernel, 8)):
+        names = kernel.arg_names
+        tensors = [rows if n in ("L_ptr", "Delta_ptr") else tile for n in names[:n_tensors]]
+        n_strides = sum(n[0] == "s" and n[-1].isdigit() for n in names)  # sq0 ... : four per tensor
+        values = [*tensors, *tile.stride() * (n_strides // 4), *sizes]
+        kwargs = {**dict(zip(names, values)), **{n: v for n, v in constexprs.items() if n in names}}
+        print(kernel.__name__, use_tma, sorted(identify_mutated_tensors(kernel, kwargs, {})))
+"""
+
+
+def test_flash_flat_kernels_write_only_their_outputs():
+    """Inductor's mutation analysis of the flat entry kernels (the TTIR torch.compile reads on a GPU, built here for
+    sm_90 without one) finds each writing its outputs only: an input counted as written is cloned before every
+    launch, and aliased inputs (the harness's q, k, v, views of one tensor) then crashed the compiled harness."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # jit functions, not the interpreter's
+    out = subprocess.run([sys.executable, "-c", _MUTATIONS_CODE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = {"flash_fwd_flat_kernel": ["L_ptr", "O_ptr"],
+                "flash_bwd_dq_flat_kernel": ["Delta_ptr", "dOcopy_ptr", "dQ_ptr"],
+                "flash_bwd_kv_flat_kernel": ["dK_ptr", "dV_ptr"]}
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 6, out.stdout
+    for line in lines:
+        name, use_tma, written = line.split(" ", 2)
+        assert written == str(expected[name]), f"{name} (TMA {use_tma}) writes {written}, not only its outputs"
+
+
 def test_flash_accepts_numpy_bool():
     x = torch.randn(1, 8, 16, device=DEVICE)
     o = IMPLS["triton"]().apply(x, x, x, np.bool_(True))
