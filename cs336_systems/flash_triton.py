@@ -27,7 +27,9 @@ Layout, top-down:
   3. Host launchers: checks, and per input signature a host plan, made once: what a call decides from
      its inputs' metadata (design, Gluon or Triton, splits, TMA, allocations, grids, constexprs, strides);
      a repeat call allocates and calls the compiled kernels' C launches directly.
-  4. `KernelOptions`, `FlashAttention2Triton` (autograd.Function) and `flash_attention`.
+  4. The ops compiled graphs call (`torch.library.triton_op`s: for short calls Inductor launches the flat
+     entry kernels `flash_*_flat_kernel` itself; other calls go to opaque custom ops running the launchers),
+     `FlashAttention2Triton` (autograd.Function) and `flash_attention`.
 
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2; the scale folds into one FMA with the
 running max) and converted back for the saved logsumexp L, which is in natural log as the handout

@@ -96,7 +96,7 @@ def main() -> None:
     say(f"flash_backward_triton: {host_us(lambda: ft.flash_backward_triton(q, k, v, o, lse, do, True), args.iters):.1f}")
     say(f"fast launch path, cached signatures: {ft.launch_cache_sizes()}")
     scale = 64 ** -0.5
-    say(f"torch.ops.cs336.flash_attn_fwd (the custom op, what compiled graphs call): "
+    say(f"torch.ops.cs336.flash_attn_fwd (the op, called eagerly): "
         f"{host_us(lambda: torch.ops.cs336.flash_attn_fwd(q, k, v, True, scale), args.iters):.1f}")
     say(f"torch.ops.cs336.flash_attn_bwd: "
         f"{host_us(lambda: torch.ops.cs336.flash_attn_bwd(do, q, k, v, o, lse, True, scale, None), args.iters):.1f}")
