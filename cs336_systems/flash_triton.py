@@ -646,7 +646,6 @@ def flash_bwd_dq_cast_kernel(
     tl.store(out, (acc * scale).to(dQ_ptr.dtype.element_ty), mask=rows & (offs_d < D)[None, :])
 
 
-
 # Entry points for Inductor (`torch.library.triton_op`, section 4): the same kernels, unsplit and with the
 # two-pass design's arguments fixed, taking each (batch, head, seq, d) stride as its own integer, since
 # the user-defined kernels Inductor launches take tensors and scalars, not tuples.
@@ -710,6 +709,7 @@ def flash_bwd_kv_flat_kernel(
                         D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
                         False, DP_FIRST, False, CHECK_Q, CHECK_K, CHECK_D)
 
+
 # (Q_TILE_SIZE, K_TILE_SIZE, warps, stages). The first of each list won the H200 sweeps at d = 64
 # (runs/kernels, NOTES.md); 8-warp ones serve d = 128; LARGE_D ones only d > 128 (and only they do).
 FWD_CONFIGS = make_configs(
@@ -746,6 +746,7 @@ flash_bwd_dq_autotuned = _autotuned(flash_bwd_dq_kernel, DQ_CONFIGS + LARGE_D_DQ
 flash_fwd_flat_autotuned = _autotuned(flash_fwd_flat_kernel, FWD_CONFIGS + LARGE_D_FWD)
 flash_bwd_dq_flat_autotuned = _autotuned(flash_bwd_dq_flat_kernel, DQ_CONFIGS + LARGE_D_DQ, ["DP_FIRST", "COPY_DO"])
 flash_bwd_kv_flat_autotuned = _autotuned(flash_bwd_kv_flat_kernel, KV_CONFIGS + LARGE_D_KV, ["DP_FIRST"])
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -1530,14 +1531,16 @@ def _tma_ok_traced(*tensors: torch.Tensor) -> bool:
 
 
 def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
-    """Whether a traced call runs the flat entry kernels, launched by Inductor: CUDA (no interpreter), below
-    GLUON_MIN_WORK (where the Gluon kernels take over), and no pass splits."""
+    """Whether a traced call runs the flat entry kernels, launched by Inductor: CUDA (no interpreter), the default
+    options asking for no Gluon kernel (below GLUON_MIN_WORK), and no pass splits."""
     if q.device.type != "cuda" or INTERPRET:
         return False
     q4, k4 = _as_bhsd(q), _as_bhsd(k)
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
-    if batch * heads * n_q * n_k >= GLUON_MIN_WORK:
+    work = batch * heads * n_q * n_k
+    opts = DEFAULT_OPTIONS
+    if _gluon_choice(opts, opts.gluon_fwd, "fwd", work)[0] or _gluon_choice(opts, opts.gluon_kv, "kv", work)[0]:
         return False
     return not (_split_rows(DEFAULT_OPTIONS, batch * heads, n_q, n_k, is_causal, d, q.device)
                 or _split_rows(DEFAULT_OPTIONS, batch * heads, n_k, n_q, is_causal, d, q.device))
