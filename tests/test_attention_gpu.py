@@ -118,6 +118,22 @@ def test_flash_cuda_graphs_capture_the_op():
         assert torch.equal(x, y), f"{name}: two CUDA-graph replays differ by {(x - y).abs().max():.3g}"
 
 
+def test_flash_compiled_dynamic_shapes_serve_several_lengths():
+    """torch.compile(dynamic=True, fullgraph=True): one graph (symbolic sizes through the triton_ops' traced bodies)
+    serves three sequence lengths, none a multiple of the tiles' 128 rows; every call meets the bf16 2x rule."""
+    from torch._dynamo.utils import counters
+
+    from cs336_systems.flash_triton import flash_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda a, b, c: flash_attention(a, b, c, True), dynamic=True, fullgraph=True)
+    for i, seq in enumerate((520, 776, 1096)):
+        q, k, v, do = (randn_cuda(1, 4, seq, 64, seed=90 + 4 * i + j) for j in range(4))
+        check_against_float64(run(step, q, k, v, do, True), q, k, v, do, True, ("x_torch", 2.0))
+    assert counters["stats"]["unique_graphs"] == 1, f"{counters['stats']['unique_graphs']} graphs for three lengths"
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_flash_gqa_matches_sdpa_enable_gqa(is_causal):
     """8 query heads over 2 K/V heads against SDPA(enable_gqa=True), both against float64."""
