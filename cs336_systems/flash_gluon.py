@@ -248,8 +248,7 @@ def flash_bwd_kv_gluon_kernel(
 def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
                    dq_desc, dq_smem, zero_dq,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                   DQ_BUFS: gl.constexpr):
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
     MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc
     through buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the
@@ -277,21 +276,18 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     gl.thread_barrier()
     dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
     dp = warpgroup_mma_wait(1, deps=(dp, ))
-    ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-    if DQ_ATOMIC:  # dQ = dS·K first, dS from registers: it runs under dS's store; its wait, store and TMA
-        # reduction under dK's matmul
-        ds_op = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=zero_dq.type.layout, k_width=2))
-        dq = warpgroup_mma(ds_op, k_smem, zero_dq, use_acc=False, is_async=True)
-    ds_smem.store(ds)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_smem.store(ds.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    if DQ_ATOMIC:
+    if DQ_ATOMIC:  # dQ = dS·K first: its wait, store and TMA reduction run under dK's matmul
+        dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(1, deps=(dq, ds_op))
-        # through buffer t % DQ_BUFS, once the reduction that last read it (tile t-DQ_BUFS's) is done
-        tma.store_wait(pendings=DQ_BUFS - 1)
+        dq = warpgroup_mma_wait(1, deps=(dq, ))
+        # through buffer t % 2, once the reduction that last read it (tile t-2's) is done
+        tma.store_wait(pendings=1)
         gl.thread_barrier()  # (the wait holds only in the thread that issued the reductions)
-        buf = dq_smem.index(t % DQ_BUFS)
+        buf = dq_smem.index(t % 2)
         buf.store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
@@ -350,9 +346,8 @@ def flash_bwd_kv_qrows_gluon_kernel(
     lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
-    DQ_BUFS: gl.constexpr = 2 if STAGES == 2 else 1  # shared memory for a third Q/dO stage, or a second dQ buffer
     if DQ_ATOMIC:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, D], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
     else:
         dq_smem = k_smem  # unused
     mbarrier.wait(kv_bar, 0)
@@ -366,7 +361,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
                 dk, dv, lse, delta = _kv_qrows_tile(
                     t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                     L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC, DQ_BUFS)
+                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
             first = 1
         else:
             first = 0
@@ -374,7 +369,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
             dk, dv, lse, delta = _kv_qrows_tile(
                 t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                 L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC, DQ_BUFS)
+                dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
     if DQ_ATOMIC:  # the last reductions read dq_smem, whose space the epilogue may reuse
         tma.store_wait(pendings=0)
         gl.thread_barrier()

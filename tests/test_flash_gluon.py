@@ -59,10 +59,10 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "single-pass"])
-@pytest.mark.parametrize("config", [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)])
+@pytest.mark.parametrize("config", [(128, 128, 8, 2), (64, 64, 4, 3)])
 def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
     """The queries-on-rows dK/dV pass (and the single pass built on it) at its other configs (two
-    warpgroups of 64 rows; three stages, where the single pass keeps one dQ buffer), causal with GQA."""
+    warpgroups of 64 rows; three stages), causal with GQA."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
