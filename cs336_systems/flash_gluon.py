@@ -298,75 +298,6 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
 
 
 @gluon.jit
-def _single_pass_tiles(dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                       L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES,
-                       qk_scale, dq_desc, dq_smem, zero_dq,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
-    """Every query tile of a single-pass program (`flash_bwd_kv_qrows_gluon_kernel` with DQ_ATOMIC), with each
-    tile's dK matmul deferred into the next tile, where it runs under that tile's exponentials:
-        issue  S_t, dP_t, and dK += dS_{t-1}ᵀ·Q_{t-1}   (dS before the first tile: zeros)   wait S_t
-        P_t = exp2(S_t·scale·log2 e - L) -> shared      (runs under dP_t's and dK's matmuls)
-        barrier, issue dV += P_tᵀ·dO_t                   wait dP_t, dK: dS's buffer and tile t-1's stage free
-        barrier, TMA the tile STAGES-1 ahead into that stage
-        dS_t = P_t·(dP_t - delta) (registers)           issue dQ_t = dS_t·K from registers
-        dS_t -> shared                                  (runs under dV's and dQ's matmuls)
-        wait dV, dQ; dQ_t -> shared buffer t % 2 -> TMA bulk reduction into the accumulator
-    Nothing is in flight across the loop's back edge (ptxas serializes every wgmma otherwise, C7515); the
-    diagonal tile (t % n_vis == 0 under causal masking) is masked at run time. Returns dK, dV."""
-    dtype: gl.constexpr = q_smem.dtype
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
-    dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero_dq.type.layout, k_width=2)
-    ds_smem.store(zero_s.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    for t in range(total):
-        s = t % STAGES
-        prev = (gl.maximum(t, 1) - 1) % STAGES  # tile t-1's stage (tile 0's at t = 0, where dS is zeros)
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
-                                          N_QUERIES, BLOCK_M)
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        q_tile = q_smem.index(s)
-        do_tile = do_smem.index(s)
-        sc = warpgroup_mma(q_tile, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_smem.index(prev), dk, is_async=True)
-        sc = warpgroup_mma_wait(2, deps=(sc, ))
-        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
-        if is_causal:
-            if t % n_vis == 0:  # the diagonal tile: query i sees key j iff i >= j
-                keep = gl.expand_dims(q_first + offs_m, 1) >= gl.expand_dims(offs_k, 0)
-                p = gl.where(keep, p, 0.0)
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
-        dp, dk = warpgroup_mma_wait(1, deps=(dp, dk))
-        gl.thread_barrier()  # every warpgroup's dK is done: dS's buffer and tile t-1's stage are free
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
-                          N_QUERIES, BLOCK_M, STAGES)
-        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        ds_op = gl.convert_layout(ds, dq_a)
-        dq = warpgroup_mma(ds_op, k_smem, zero_dq, use_acc=False, is_async=True)
-        ds_smem.store(ds)
-        fence_async_shared()
-        dv, dq, ds_op = warpgroup_mma_wait(0, deps=(dv, dq, ds_op))
-        # through buffer t % 2, once the reduction that last read it (tile t-2's) is done; the barrier also
-        # orders every warp's dS store before the next tile's dK matmul and its P store after this dV
-        tma.store_wait(pendings=1)
-        gl.thread_barrier()
-        buf = dq_smem.index(t % 2)
-        buf.store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
-        lse = lse_next
-        delta = delta_next
-    if total > 0:  # the last tile's dK
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_smem.index((total - 1) % STAGES), dk, is_async=True)
-        dk = warpgroup_mma_wait(0, deps=(dk, ))
-    return dk, dv
-
-
-@gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
@@ -421,14 +352,9 @@ def flash_bwd_kv_qrows_gluon_kernel(
         dq_smem = k_smem  # unused
     mbarrier.wait(kv_bar, 0)
 
-    if DQ_ATOMIC:
-        dk, dv = _single_pass_tiles(dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem,
-                                    ds_smem, ready, L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head,
-                                    q_first, N_QUERIES, qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES,
-                                    is_causal)
     # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
     # q_first = k_start), the only one that needs the mask
-    for g in range(KV_GROUP * (1 - DQ_ATOMIC)):
+    for g in range(KV_GROUP):
         t0 = g * n_vis
         if is_causal:
             if n_vis > 0:

@@ -5,10 +5,12 @@ ours and ~54 µs to SDPA flash's (whose backward is C++). This splits one `torch
 of `flash_attention` on (1, 16, --seq, 64) bf16, causal, with the engine's device thread (the default) and
 without it (`torch.autograd.set_multithreading_enabled(False)`):
   before  from the call of autograd.grad to the entry of our backward (`flash_triton._backward`)
-  inside  our backward, entry to return (the launches included)
+  probe   sum(range(2000)) at the entry of our backward: pure Python, the same work on either thread
+  inside  our backward, entry to return (the launches included; after the probe)
   after   from its return to autograd.grad's return (the engine's output checks, the hand-back)
 medians over --iters calls, each after a synchronize; SDPA flash's whole autograd.grad beside it; and the CUDA
-synchronizations our step makes (`torch.cuda.set_sync_debug_mode("warn")`). Text to --out.
+synchronizations our step makes (`torch.cuda.set_sync_debug_mode("warn")`, the backward on the calling thread).
+Text to --out.
 
     python3 runs/profile/backward_thread.py --out $OUT/backward_thread.txt
 """
@@ -27,6 +29,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems import flash_triton as ft
+
+PROBE = 2000  # sum(range(PROBE)) at the entry of our backward, timed apart from it
 
 
 def main() -> None:
@@ -50,6 +54,8 @@ def main() -> None:
     def timed_backward(ctx, dO):
         marks["in"] = time.perf_counter()
         marks["thread"] = threading.get_ident()
+        sum(range(PROBE))  # a fixed piece of pure Python: is the thread slow, or the CUDA calls on it?
+        marks["probe"] = time.perf_counter()
         out = inner(ctx, dO)
         marks["out"] = time.perf_counter()
         return out
@@ -62,7 +68,7 @@ def main() -> None:
     try:
         for threaded in (True, False):
             torch.autograd.set_multithreading_enabled(threaded)
-            before, inside, after, total, sdpa_total, same_thread = [], [], [], [], [], 0
+            before, probe, inside, after, total, sdpa_total, same_thread = [], [], [], [], [], [], 0
             for i in range(args.iters + 20):
                 o = ft.flash_attention(q, k, v, is_causal=True)
                 torch.cuda.synchronize()
@@ -78,13 +84,15 @@ def main() -> None:
                 torch.cuda.synchronize()
                 if i >= 20:
                     before.append(marks["in"] - t0)
-                    inside.append(marks["out"] - marks["in"])
+                    probe.append(marks["probe"] - marks["in"])
+                    inside.append(marks["out"] - marks["probe"])
                     after.append(t1 - marks["out"])
                     total.append(t1 - t0)
                     sdpa_total.append(s1 - s0)
                     same_thread += marks["thread"] == threading.get_ident()
             med = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
-            lines.append(f"device thread {threaded!s:5}: ours before {med(before):7.1f}  inside {med(inside):7.1f}  "
+            lines.append(f"device thread {threaded!s:5}: ours before {med(before):7.1f}  probe {med(probe):6.1f}  "
+                         f"inside {med(inside):7.1f}  "
                          f"after {med(after):7.1f}  total {med(total):7.1f}  | SDPA flash total {med(sdpa_total):7.1f}"
                          f"  (our backward on the calling thread in {same_thread} of {args.iters})")
     finally:
@@ -94,12 +102,15 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.autograd.set_multithreading_enabled(False)  # the backward on this thread, whose warnings we catch
         try:
             o = ft.flash_attention(q, k, v, is_causal=True)
             torch.autograd.grad(o, (q, k, v), do)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+            torch.autograd.set_multithreading_enabled(True)
+    # (the mode's own notice, "Synchronization debug mode is a prototype feature", is not a synchronization)
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchronizing CUDA operation" in str(w.message)]
     lines.append(f"CUDA synchronizations in one forward + autograd.grad of ours: {len(syncs)}")
     lines += [f"  {s}" for s in syncs[:10]]
     with open(args.out, "w") as f:
