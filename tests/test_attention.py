@@ -776,6 +776,23 @@ def test_flash_fullgraph_compile_matches_eager(is_causal):
                 assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
 
 
+def test_flash_dynamic_compile_serves_several_lengths():
+    """torch.compile(dynamic=True, fullgraph=True) compiles one frame for three sequence lengths (symbolic sizes
+    through the checks and the ops' fake implementations: nothing on the path specializes on a length)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cs336_systems.flash_triton import flash_attention
+
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda a, b, c: flash_attention(a, b, c, True), backend=compiles, dynamic=True,
+                         fullgraph=True)
+    for i, n in enumerate((20, 36, 52)):
+        q, k, v, do = make_inputs((2, n, n, 16), torch.float32, DEVICE, seed=40 + i)
+        check_against_float64(run(step, q, k, v, do), q, k, v, do, True, FP32_RULE)
+    assert compiles.frame_count == 1, f"{compiles.frame_count} compiled frames for three lengths"
+
+
 def test_flash_head_dim_256():
     q, k, v, do = make_inputs((1, 40, 40, 256), torch.float32, DEVICE, seed=13)
     ours = run(IMPLS["triton"]().apply, q, k, v, do, True)
