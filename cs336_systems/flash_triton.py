@@ -1531,9 +1531,13 @@ def _tma_ok_traced(*tensors: torch.Tensor) -> bool:
 
 
 def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
-    """Whether a traced call runs the flat entry kernels, launched by Inductor: CUDA (no interpreter), the default
-    options asking for no Gluon kernel (below GLUON_MIN_WORK), and no pass splits."""
+    """Whether a traced call runs the flat entry kernels, launched by Inductor: CUDA (no interpreter), static sizes,
+    the default options asking for no Gluon kernel (below GLUON_MIN_WORK), and no pass splits. Symbolic sizes
+    (torch.compile(dynamic=True)) take the opaque op: tracing the autotuned kernels (their config pruning, the
+    grid) specializes every size, one compiled graph per sequence length (H200, session 19)."""
     if q.device.type != "cuda" or INTERPRET:
+        return False
+    if any(isinstance(n, torch.SymInt) for n in (*q.shape, *k.shape)):
         return False
     q4, k4 = _as_bhsd(q), _as_bhsd(k)
     batch, heads, n_q, d = q4.shape
