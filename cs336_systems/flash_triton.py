@@ -1513,10 +1513,11 @@ def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts:
 
 # Two ops, `cs336::flash_attn_fwd` and `cs336::flash_attn_bwd`, are what compiled graphs call (no graph break;
 # CUDA graphs capture them). They are `triton_op`s: torch.compile traces their bodies, and where a call runs
-# the Triton kernels alone, unsplit (a CUDA GPU, less than GLUON_MIN_WORK: the short calls, which are bound by
-# host time), Inductor launches the flat entry kernels itself (`wrap_triton`), with no Python of ours in the
-# compiled call. Every other call (the Gluon kernels, split passes, the atomic design, the CPU) goes to an
-# opaque custom op (`..._launch`) running the launchers above; so does an eager call of the ops.
+# the Triton kernels alone, unsplit (a CUDA GPU, static sizes, less than GLUON_MIN_WORK: the short calls, which
+# are bound by host time), Inductor launches the flat entry kernels itself (`wrap_triton`), with no Python of
+# ours in the compiled call. Every other call (the Gluon kernels, split passes, the atomic design, symbolic
+# sizes, the CPU) goes to an opaque custom op (`..._launch`) running the launchers above; so does an eager call
+# of the ops.
 
 
 def _plain(t: torch.Tensor) -> bool:
