@@ -16,6 +16,7 @@ commit (`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -25,12 +26,11 @@ import time
 
 def worker(spec: dict) -> dict:
     import torch
-    import torch.nn.functional as F
     import triton
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
     from cs336_systems import flash_attention, flash_gluon
+    from cs336_systems.bench import impls
 
     if spec.get("single_pass"):
         flash_gluon.SINGLE_PASS_CONFIGS[64] = tuple(spec["single_pass"])
@@ -47,6 +47,9 @@ def worker(spec: dict) -> dict:
         return step
 
     ours = lambda q, k, v: flash_attention(q, k, v, is_causal=True)  # noqa: E731
+    setup = impls.Setup(torch.device("cuda"), "bf16", n)
+    sdpa = {name: functools.partial(impls.build(name, setup), is_causal=True)
+            for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_math")}
     row = {"copy": spec["name"], "commit": spec["commit"], "round": spec["round"], "shape": [b, h, n, d],
            "single_pass": spec.get("single_pass"), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__}
@@ -55,11 +58,8 @@ def worker(spec: dict) -> dict:
     o = ours(q, k, v)
     row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
     row["fwd_bwd_ms"] = do_bench(fwd_bwd(ours))
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        def sdpa(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        row[f"{name}_fwd_bwd_ms"] = do_bench(fwd_bwd(sdpa))
+    row["cudnn_fwd_bwd_ms"] = do_bench(fwd_bwd(sdpa["sdpa_cudnn"]))
+    row["sdpa_flash_fwd_bwd_ms"] = do_bench(fwd_bwd(sdpa["sdpa_flash"]))
 
     # float64 check at a shape the single pass takes (batch·heads·Nq·Nk at GLUON_MIN_WORK)
     cb, ch, cn = spec["check_shape"]
@@ -72,19 +72,11 @@ def worker(spec: dict) -> dict:
         out = fn(*xs[:3])
         return (out, *torch.autograd.grad(out, xs[:3], xs[3]))
 
-    def sdpa_math(q, k, v):
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def sdpa_flash(q, k, v):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     ref, theirs = [], []
     for i in range(ch):  # one head at a time: float64 scores of a whole head fit, of all heads not
         sl = [t[:, i:i + 1] for t in (cq, ck, cv, cdo)]
-        ref.append(grads(sdpa_math, *(t.double() for t in sl)))
-        theirs.append(grads(sdpa_flash, *sl))
+        ref.append(grads(sdpa["sdpa_math"], *(t.double() for t in sl)))
+        theirs.append(grads(sdpa["sdpa_flash"], *sl))
     mine_all = grads(ours, cq, ck, cv, cdo)
     for j, name in enumerate(("o", "dq", "dk", "dv")):
         r = torch.cat([x[j] for x in ref], 1)

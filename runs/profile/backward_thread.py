@@ -24,11 +24,10 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems import flash_triton as ft
+from cs336_systems.bench import impls
 
 PROBE = 2000  # sum(range(PROBE)) at the entry of our backward, timed apart from it
 
@@ -60,9 +59,7 @@ def main() -> None:
         marks["out"] = time.perf_counter()
         return out
 
-    def sdpa(q, k, v):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    sdpa_flash = impls.build("sdpa_flash", impls.Setup(torch.device("cuda"), "bf16", args.seq))
 
     ft._backward = timed_backward
     try:
@@ -76,7 +73,7 @@ def main() -> None:
                 torch.autograd.grad(o, (q, k, v), do)
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
-                o = sdpa(q, k, v)
+                o = sdpa_flash(q, k, v, True)
                 torch.cuda.synchronize()
                 s0 = time.perf_counter()
                 torch.autograd.grad(o, (q, k, v), do)

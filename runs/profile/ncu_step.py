@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems import flash_attention
+from cs336_systems.bench import impls
 
 
 def main() -> None:
@@ -31,11 +30,9 @@ def main() -> None:
     for t in (q, k, v):
         t.requires_grad_(True)
 
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    fns = {"ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True), "cudnn": cudnn}
+    cudnn = impls.build("sdpa_cudnn", impls.Setup(torch.device("cuda"), "bf16", n))
+    fns = {"ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+           "cudnn": lambda q, k, v: cudnn(q, k, v, True)}
     for name in args.impls:
         fn = fns[name]
         for profiled in (False, True):
