@@ -74,6 +74,48 @@ LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
 REGS_3WG = gl.constexpr(160)
 
+# FlashAttention-4's split of the exponentials between the MUFU (16 per clock per SM) and the FMA pipe: of
+# every PACK consecutive scores of a thread, the last POLY take a polynomial (`exp2_asm`); (1, 0): all MUFU.
+FWD_EXP2 = (1, 0)  # the forward's P
+BWD_EXP2 = (1, 0)  # the backward's recomputed P (queries-on-rows pass and single pass)
+# 2**f on [0, 1): degree 3 with c0 = 1, fitted for the smallest largest relative error (8.6e-5 in fp32; NOTES.md,
+# session 20); c0..c3 as fp32 bits. c0 = 1 keeps p >= 1, so that 2**-127 (x = -inf clamped) comes out as 0.
+EXP2_POLY_COEFFS = (0x3F800000, 0x3F31F32D, 0x3E691BBD, 0x3D9DD562)
+
+
+def exp2_asm(pack: int, poly: int) -> tuple[str, str]:
+    """(PTX, constraints) of an elementwise 2**x over `pack` fp32 values, the last `poly` of them by the
+    polynomial: x clamped at -127 (2**-127 gives 0: masked -inf scores give 0), floor(x) by adding
+    1.5·2**23 rounding down (the FMA pipe: no F2I, which shares the MUFU's rate), 2**frac by Horner, and
+    floor(x) added into the exponent bits. The rest by `ex2.approx.ftz.f32` (what `gl.exp2` emits)."""
+    if not 0 <= poly <= pack:
+        raise ValueError(f"the exponential split takes 0 <= poly <= pack, got pack={pack}, poly={poly}")
+    c0, c1, c2, c3 = (f"0f{c:08X}" for c in EXP2_POLY_COEFFS)
+    lines = ["{", ".reg .b32 x, j, f, p, e;"]
+    for i in range(pack):
+        out, arg = f"${i}", f"${pack + i}"
+        if i < pack - poly:
+            lines.append(f"ex2.approx.ftz.f32 {out}, {arg};")
+            continue
+        lines += [f"max.f32 x, {arg}, 0fC2FE0000;",  # -127
+                  "add.rm.f32 j, x, 0f4B400000;",  # 1.5·2**23 + floor(x): floor(x) in the low bits
+                  "sub.f32 f, j, 0f4B400000;",
+                  "sub.f32 f, x, f;",  # frac in [0, 1)
+                  f"fma.rn.f32 p, f, {c3}, {c2};",
+                  f"fma.rn.f32 p, p, f, {c1};",
+                  f"fma.rn.f32 p, p, f, {c0};",
+                  "shl.b32 e, j, 23;",  # floor(x) << 23 (the high bits of j shift out)
+                  "add.s32 p, p, e;",
+                  f"mov.b32 {out}, p;"]
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=f"] * pack + ["f"] * pack)
+
+
+_FWD_EXP2_ASM, _FWD_EXP2_CONSTRAINTS = (gl.constexpr(s) for s in exp2_asm(*FWD_EXP2))
+_BWD_EXP2_ASM, _BWD_EXP2_CONSTRAINTS = (gl.constexpr(s) for s in exp2_asm(*BWD_EXP2))
+_FWD_EXP2_PACK = gl.constexpr(FWD_EXP2[0] if FWD_EXP2[1] else 1)
+_BWD_EXP2_PACK = gl.constexpr(BWD_EXP2[0] if BWD_EXP2[1] else 1)
+
 
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -82,6 +124,15 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def exp2_split(x, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, PACK: gl.constexpr):
+    """2**x (fp32), split between the MUFU and the polynomial by `exp2_asm`'s ASM; PACK 1: `gl.exp2`."""
+    if PACK == 1:
+        return gl.exp2(x)
+    else:
+        return gl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=PACK)
 
 
 @gluon.jit
@@ -266,7 +317,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
     _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
                       N_QUERIES, BLOCK_M, STAGES)
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
+    p = exp2_split(sc * qk_scale - gl.expand_dims(lse, 1), _BWD_EXP2_ASM, _BWD_EXP2_CONSTRAINTS, _BWD_EXP2_PACK)
     if MASKED:  # query i sees key j iff i >= j
         q_start = q_first + (t % n_vis) * BLOCK_M
         keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
@@ -428,7 +479,7 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
             sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
+    p = exp2_split(sc * qk_scale - gl.expand_dims(m_new, 1), _FWD_EXP2_ASM, _FWD_EXP2_CONSTRAINTS, _FWD_EXP2_PACK)
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
