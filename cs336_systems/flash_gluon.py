@@ -73,50 +73,6 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
 REGS_3WG = gl.constexpr(160)
-# registers per thread of the single pass's dQ warp (`_dq_writer`)
-DQ_WRITER_REGS = gl.constexpr(32)
-
-# FlashAttention-4's split of the exponentials between the MUFU (16 per clock per SM) and the FMA pipe: of
-# every PACK consecutive scores of a thread, the last POLY take a polynomial (`exp2_asm`); (1, 0): all MUFU.
-FWD_EXP2 = (1, 0)  # the forward's P
-BWD_EXP2 = (1, 0)  # the backward's recomputed P (queries-on-rows pass and single pass)
-# 2**f on [0, 1): degree 3 with c0 = 1, fitted for the smallest largest relative error (8.6e-5 in fp32; NOTES.md,
-# session 20); c0..c3 as fp32 bits. c0 = 1 keeps p >= 1, so that 2**-127 (x = -inf clamped) comes out as 0.
-EXP2_POLY_COEFFS = (0x3F800000, 0x3F31F32D, 0x3E691BBD, 0x3D9DD562)
-
-
-def exp2_asm(pack: int, poly: int) -> tuple[str, str]:
-    """(PTX, constraints) of an elementwise 2**x over `pack` fp32 values, the last `poly` of them by the
-    polynomial: x clamped at -127 (2**-127 gives 0: masked -inf scores give 0), floor(x) by adding
-    1.5·2**23 rounding down (the FMA pipe: no F2I, which shares the MUFU's rate), 2**frac by Horner, and
-    floor(x) added into the exponent bits. The rest by `ex2.approx.ftz.f32` (what `gl.exp2` emits)."""
-    if not 0 <= poly <= pack:
-        raise ValueError(f"the exponential split takes 0 <= poly <= pack, got pack={pack}, poly={poly}")
-    c0, c1, c2, c3 = (f"0f{c:08X}" for c in EXP2_POLY_COEFFS)
-    lines = ["{", ".reg .b32 x, j, f, p, e;"]
-    for i in range(pack):
-        out, arg = f"${i}", f"${pack + i}"
-        if i < pack - poly:
-            lines.append(f"ex2.approx.ftz.f32 {out}, {arg};")
-            continue
-        lines += [f"max.f32 x, {arg}, 0fC2FE0000;",  # -127
-                  "add.rm.f32 j, x, 0f4B400000;",  # 1.5·2**23 + floor(x): floor(x) in the low bits
-                  "sub.f32 f, j, 0f4B400000;",
-                  "sub.f32 f, x, f;",  # frac in [0, 1)
-                  f"fma.rn.f32 p, f, {c3}, {c2};",
-                  f"fma.rn.f32 p, p, f, {c1};",
-                  f"fma.rn.f32 p, p, f, {c0};",
-                  "shl.b32 e, j, 23;",  # floor(x) << 23 (the high bits of j shift out)
-                  "add.s32 p, p, e;",
-                  f"mov.b32 {out}, p;"]
-    lines.append("}")
-    return "\n".join(lines), ",".join(["=f"] * pack + ["f"] * pack)
-
-
-_FWD_EXP2_ASM, _FWD_EXP2_CONSTRAINTS = (gl.constexpr(s) for s in exp2_asm(*FWD_EXP2))
-_BWD_EXP2_ASM, _BWD_EXP2_CONSTRAINTS = (gl.constexpr(s) for s in exp2_asm(*BWD_EXP2))
-_FWD_EXP2_PACK = gl.constexpr(FWD_EXP2[0] if FWD_EXP2[1] else 1)
-_BWD_EXP2_PACK = gl.constexpr(BWD_EXP2[0] if BWD_EXP2[1] else 1)
 
 
 @builtin
@@ -126,15 +82,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def exp2_split(x, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, PACK: gl.constexpr):
-    """2**x (fp32), split between the MUFU and the polynomial by `exp2_asm`'s ASM; PACK 1: `gl.exp2`."""
-    if PACK == 1:
-        return gl.exp2(x)
-    else:
-        return gl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=PACK)
 
 
 @gluon.jit
@@ -300,12 +247,12 @@ def flash_bwd_kv_gluon_kernel(
 @gluon.jit
 def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                   dq_smem, dq_full, dq_empty, zero_dq,
+                   dq_desc, dq_smem, zero_dq,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
-    MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, handed to the dQ warp (`_dq_writer`) through
-    buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the caller's loop
-    makes ptxas serialize every wgmma of the kernel (C7515)."""
+    MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc
+    through buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the
+    caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
     dtype: gl.constexpr = q_smem.dtype
     s = t % STAGES
     lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
@@ -319,7 +266,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
     _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
                       N_QUERIES, BLOCK_M, STAGES)
-    p = exp2_split(sc * qk_scale - gl.expand_dims(lse, 1), _BWD_EXP2_ASM, _BWD_EXP2_CONSTRAINTS, _BWD_EXP2_PACK)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
     if MASKED:  # query i sees key j iff i >= j
         q_start = q_first + (t % n_vis) * BLOCK_M
         keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
@@ -333,81 +280,21 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     ds_smem.store(ds.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    if DQ_ATOMIC:  # dQ = dS·K first: its wait and store run under dK's matmul
+    if DQ_ATOMIC:  # dQ = dS·K first: its wait, store and TMA reduction run under dK's matmul
         dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(1, deps=(dq, ))
-        # buffer t % 2, once the dQ warp's reduction of tile t-2 has read it (a fresh barrier passes phase 1)
-        buf = t % 2
-        mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1)
-        dq_smem.index(buf).store(dq)
+        # through buffer t % 2, once the reduction that last read it (tile t-2's) is done
+        tma.store_wait(pendings=1)
+        gl.thread_barrier()  # (the wait holds only in the thread that issued the reductions)
+        buf = dq_smem.index(t % 2)
+        buf.store(dq)
         fence_async_shared()
-        mbarrier.arrive(dq_full.index(buf))
+        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
     else:
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv, lse_next, delta_next
-
-
-@gluon.jit
-def _kv_qrows_loop(q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready, L_ptr, Delta_ptr,
-                   dq_smem, dq_full, dq_empty, k_start, q_first, n_vis, total, first_head, N_QUERIES, KV_GROUP, scale,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                   is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warps of `flash_bwd_kv_qrows_gluon_kernel`: every query tile of the program; returns dK
-    (unscaled) and dV."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, D, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
-
-    qk_scale = scale * LOG2E
-    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-    offs_k = k_start + gl.arange(0, BLOCK_N, layout=col_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-    # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32
-    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
-
-    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
-    # q_first = k_start), the only one that needs the mask
-    for g in range(KV_GROUP):
-        t0 = g * n_vis
-        if is_causal:
-            if n_vis > 0:
-                dk, dv, lse, delta = _kv_qrows_tile(
-                    t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                    dq_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
-            first = 1
-        else:
-            first = 0
-        for j in range(first, n_vis):
-            dk, dv, lse, delta = _kv_qrows_tile(
-                t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                dq_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
-    return dk, dv
-
-
-@gluon.jit
-def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
-               BLOCK_M: gl.constexpr):
-    """The single pass's dQ warp: per query tile t it waits for the consumers' fp32 tile in buffer t % 2, adds it
-    into the accumulator behind dq_desc with one TMA bulk reduction, and frees the other buffer once the reduction
-    of tile t-1 has read it; the waits on the reductions stay off the consumers."""
-    for t in range(total):
-        buf = t % 2
-        mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
-        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                        dq_smem.index(buf))
-        tma.store_wait(pendings=1)
-        mbarrier.arrive(dq_empty.index(1 - buf), pred=t > 0)
-    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -431,42 +318,61 @@ def flash_bwd_kv_qrows_gluon_kernel(
         barrier, issue dK += dSᵀ·Q, wait dV, dK
     BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per 64 rows of both layouts). With DQ_ATOMIC it is the
     single-pass backward: before dK it issues dQ = dS·K (dS and the resident K tile from shared memory; a
-    warpgroup per 64 query rows), waits for dQ alone and stores the fp32 tile into one of two shared buffers
-    for a warp of its own (`_dq_writer`, warp-specialized), which adds it to the (B·H·Nq, D) accumulator behind
-    dq_desc with one TMA bulk reduction and waits for the reductions; mbarriers hand the buffers back and
-    forth."""
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+    warpgroup per 64 query rows), waits for dQ alone, stores the fp32 tile into one of two shared buffers (free
+    once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
+    with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
 
     k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
         q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
-    mbarrier.wait(kv_bar, 0)
+
+    qk_scale = scale * LOG2E
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=col_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
+    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     if DQ_ATOMIC:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_empty.index(i), count=1)
-        dk, dv = gl.warp_specialize([
-            (_kv_qrows_loop, (q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready, L_ptr,
-                              Delta_ptr, dq_smem, dq_full, dq_empty, k_start, q_first, n_vis, total, first_head,
-                              N_QUERIES, KV_GROUP, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, DQ_ATOMIC,
-                              num_warps)),
-            (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
-                          BLOCK_M)),
-        ], [1], [DQ_WRITER_REGS])
-        for i in gl.static_range(2):
-            mbarrier.invalidate(dq_full.index(i))
-            mbarrier.invalidate(dq_empty.index(i))
-    else:  # (dq_smem and its barriers unused)
-        dk, dv = _kv_qrows_loop(q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready, L_ptr,
-                                Delta_ptr, k_smem, ready, ready, k_start, q_first, n_vis, total, first_head,
-                                N_QUERIES, KV_GROUP, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, DQ_ATOMIC,
-                                num_warps)
+    else:
+        dq_smem = k_smem  # unused
+    mbarrier.wait(kv_bar, 0)
+
+    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
+    # q_first = k_start), the only one that needs the mask
+    for g in range(KV_GROUP):
+        t0 = g * n_vis
+        if is_causal:
+            if n_vis > 0:
+                dk, dv, lse, delta = _kv_qrows_tile(
+                    t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
+            first = 1
+        else:
+            first = 0
+        for j in range(first, n_vis):
+            dk, dv, lse, delta = _kv_qrows_tile(
+                t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
+    if DQ_ATOMIC:  # the last reductions read dq_smem, whose space the epilogue may reuse
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
 
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
@@ -522,7 +428,7 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
             sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-    p = exp2_split(sc * qk_scale - gl.expand_dims(m_new, 1), _FWD_EXP2_ASM, _FWD_EXP2_CONSTRAINTS, _FWD_EXP2_PACK)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 

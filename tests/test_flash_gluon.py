@@ -12,10 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-
-from cs336_systems.flash_gluon import EXP2_POLY_COEFFS, exp2_asm, exp2_split
 
 from .helpers import randn_cuda, rel_err, run
 
@@ -255,59 +251,3 @@ def test_gluon_launch_cache_keys_on_the_head_dim():
             o, lse = flash_forward_triton(q, k, v, True, opts)
             ref, ref_lse = flash_forward_triton(q, k, v, True, plain)
             assert rel_err(o, ref) < 1e-2 and (lse - ref_lse).abs().max().item() < 1e-2, f"d {d}"
-
-
-# the split exponential (`exp2_asm`): every 2**x of the kernels' P goes through it
-
-def test_exp2_polynomial_meets_its_error_bound():
-    """The polynomial's arithmetic, emulated in fp32 on the CPU (floor, Horner with the shipped coefficients,
-    the exponent added): relative error <= 9e-5 of 2**x wherever 2**x is a normal fp32, and 2**x <= 2**-126
-    below that (-inf included)."""
-    x = torch.cat([torch.linspace(-126.0, 1.0, 400_001), torch.tensor([-127.0, -130.5, -1e4, float("-inf")])])
-    c = torch.tensor(EXP2_POLY_COEFFS, dtype=torch.int32).view(torch.float32)
-    xc = x.clamp_min(-127.0)
-    fl = torch.floor(xc)
-    f = xc - fl
-    p = (c[3] * f + c[2]) * f + c[1]
-    p = p * f + c[0]
-    y = torch.ldexp(p, fl)
-    exact = torch.exp2(x.double())
-    normal = x >= -126
-    assert (y[normal].double() / exact[normal] - 1).abs().max() <= 9e-5
-    assert (y[~normal] <= 2.0 ** -126).all() and (y[~normal] >= 0).all()
-
-
-@pytest.mark.parametrize("pack, poly", [(4, 5), (4, -1)])
-def test_exp2_asm_rejects_bad_splits(pack, poly):
-    with pytest.raises(ValueError, match="0 <= poly <= pack"):
-        exp2_asm(pack, poly)
-
-
-def test_exp2_asm_splits_as_asked():
-    asm, constraints = exp2_asm(8, 3)
-    assert asm.count("ex2.approx.ftz.f32") == 5 and asm.count("add.rm.f32") == 3
-    assert constraints == ",".join(["=f"] * 8 + ["f"] * 8)
-
-
-@gluon.jit
-def _exp2_kernel(x_ptr, y_ptr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, PACK: gl.constexpr,
-                 BLOCK: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-    offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
-    gl.store(y_ptr + offs, exp2_split(gl.load(x_ptr + offs), ASM, CONSTRAINTS, PACK))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pack, poly", [(4, 1), (8, 3), (2, 2)])
-def test_exp2_split_on_the_gpu(pack, poly):
-    """The PTX itself: every element (MUFU or polynomial) within 9e-5 of 2**x where that is a normal fp32,
-    at most 2**-126 below, 0 for -inf."""
-    n = 1 << 20
-    x = torch.linspace(-126.0, 1.0, n, device="cuda")
-    x[-4:] = torch.tensor([-127.0, -130.5, -1e4, float("-inf")])
-    y = torch.empty_like(x)
-    asm, constraints = exp2_asm(pack, poly)
-    _exp2_kernel[(n // 1024, )](x, y, asm, constraints, pack, 1024, num_warps=4)
-    exact = torch.exp2(x.double())
-    assert (y[:-4].double() / exact[:-4] - 1).abs().max().item() <= 9e-5
-    assert (y[-4:] <= 2.0 ** -126).all() and (y[-4:] >= 0).all() and y[-1].item() == 0.0
