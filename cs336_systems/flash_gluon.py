@@ -92,9 +92,11 @@ def _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, row, total, STAGES: gl.constexpr):
-    """TMA of query tile t (of `total`; its first row `row`) into stage t % STAGES; nothing past the last tile."""
+def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, first_head, q_first, N_QUERIES,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA of query tile t (of `total`) into stage t % STAGES; nothing past the last tile."""
     s = t % STAGES
+    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     pred = t < total
     bar = ready.index(s)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
@@ -103,8 +105,9 @@ def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, row, total, ST
 
 
 @gluon.jit
-def _tile_rows(L_ptr, Delta_ptr, offs_m, t, row, total):
-    """L (in base 2) and delta of query tile t (its first row `row`); zeros past the last tile."""
+def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
+    """L (in base 2) and delta of query tile t; zeros past the last tile."""
+    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     valid = (offs_m * 0 + t) < total
     lse = gl.load(L_ptr + row + offs_m, mask=valid, other=0.0)
     delta = gl.load(Delta_ptr + row + offs_m, mask=valid, other=0.0)
@@ -151,8 +154,8 @@ def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_he
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
     for i in gl.static_range(STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i,
-                          _tile_row(i, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), total, STAGES)
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
+                          N_QUERIES, BLOCK_M, STAGES)
     return k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total
 
 
@@ -206,7 +209,8 @@ def flash_bwd_kv_gluon_kernel(
     # the register operands of the last dV and dK wgmmas, kept alive until the wait that retires them
     p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, first_head * N_QUERIES + q_first, total)
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
     mbarrier.wait(kv_bar, 0)
 
     for t in range(total):
@@ -214,8 +218,8 @@ def flash_bwd_kv_gluon_kernel(
         q_start = q_first + (t % n_vis) * BLOCK_M
         lse = lse_next
         delta = delta_next
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1,
-                                          _tile_row(t + 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), total)
+        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
+                                          N_QUERIES, BLOCK_M)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
@@ -223,8 +227,8 @@ def flash_bwd_kv_gluon_kernel(
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
         # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1,
-                          _tile_row(t + STAGES - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), total, STAGES)
+        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
+                          q_first, N_QUERIES, BLOCK_M, STAGES)
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
         if is_causal:
             if q_start - q_first < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
@@ -241,20 +245,18 @@ def flash_bwd_kv_gluon_kernel(
 
 
 @gluon.jit
-def _kv_qrows_tile(t, j, row, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                   ready, L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES,
-                   qk_scale, dq_desc, dq_smem, zero_dq,
+def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                   L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                   dq_desc, dq_smem, zero_dq,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
-    """Query tile t of `flash_bwd_kv_qrows_gluon_kernel`, the j-th of its query head, first row `row` (its L
-    and delta given; the next tile's returned with its first row, found without a division); MASKED: the tile
-    on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc through buffer
-    t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the caller's loop makes
-    ptxas serialize every wgmma of the kernel (C7515)."""
+    """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
+    MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc
+    through buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the
+    caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
     dtype: gl.constexpr = q_smem.dtype
     s = t % STAGES
-    # the next tile's first row: the next BLOCK_M rows, or after a head's last tile the next head's first tile
-    row_next = row + BLOCK_M + (j + 1 == n_vis).to(gl.int32) * (N_QUERIES - n_vis * BLOCK_M)
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, row_next, total)
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
     q_tile = q_smem.index(s)
     do_tile = do_smem.index(s)
@@ -262,14 +264,11 @@ def _kv_qrows_tile(t, j, row, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_sm
     dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(1, deps=(sc, ))
     gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
-    if STAGES == 2:
-        load_row = row_next
-    else:
-        load_row = _tile_row(t + STAGES - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, load_row, total, STAGES)
+    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
+                      N_QUERIES, BLOCK_M, STAGES)
     p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
     if MASKED:  # query i sees key j iff i >= j
-        q_start = q_first + j * BLOCK_M
+        q_start = q_first + (t % n_vis) * BLOCK_M
         keep = gl.expand_dims(q_start + offs_m, 1) >= gl.expand_dims(offs_k, 0)
         p = gl.where(keep, p, 0.0)
     p_smem.store(p.to(dtype))
@@ -291,11 +290,11 @@ def _kv_qrows_tile(t, j, row, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_sm
         buf = dq_smem.index(t % 2)
         buf.store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [row, 0], buf)
+        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
     else:
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    return dk, dv, lse_next, delta_next, row_next
+    return dk, dv, lse_next, delta_next
 
 
 @gluon.jit
@@ -344,7 +343,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, first_head * N_QUERIES + q_first, total)
+    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     if DQ_ATOMIC:
@@ -357,20 +356,19 @@ def flash_bwd_kv_qrows_gluon_kernel(
     # q_first = k_start), the only one that needs the mask
     for g in range(KV_GROUP):
         t0 = g * n_vis
-        row = (first_head + g) * N_QUERIES + q_first  # the head's first tile
         if is_causal:
             if n_vis > 0:
-                dk, dv, lse, delta, row = _kv_qrows_tile(
-                    t0, 0, row, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                    ready, L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES,
-                    qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
+                dk, dv, lse, delta = _kv_qrows_tile(
+                    t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
             first = 1
         else:
             first = 0
         for j in range(first, n_vis):
-            dk, dv, lse, delta, row = _kv_qrows_tile(
-                t0 + j, j, row, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem,
-                ready, L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
+            dk, dv, lse, delta = _kv_qrows_tile(
+                t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
+                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
                 dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
     if DQ_ATOMIC:  # the last reductions read dq_smem, whose space the epilogue may reuse
         tma.store_wait(pendings=0)
