@@ -1547,8 +1547,8 @@ def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     opts = DEFAULT_OPTIONS
     if _gluon_choice(opts, opts.gluon_fwd, "fwd", work)[0] or _gluon_choice(opts, opts.gluon_kv, "kv", work)[0]:
         return False
-    return not (_split_rows(DEFAULT_OPTIONS, batch * heads, n_q, n_k, is_causal, d, q.device)
-                or _split_rows(DEFAULT_OPTIONS, batch * heads, n_k, n_q, is_causal, d, q.device))
+    return not (_split_rows(opts, batch * heads, n_q, n_k, is_causal, d, q.device)
+                or _split_rows(opts, batch * heads, n_k, n_q, is_causal, d, q.device))
 
 
 def _flat(kernel):
@@ -1566,7 +1566,6 @@ def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tenso
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    d = int(d)  # a constexpr: specialized under dynamic shapes
     o = _empty_like(q)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     o4 = _as_bhsd(o)
@@ -1586,7 +1585,6 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    d = int(d)
     inputs_tma = _tma_wanted(DEFAULT_OPTIONS) and _tma_ok_traced(q4, k4, v4)
     copy_do = inputs_tma and not _tma_ok_traced(do4)  # (o.sum()'s expanded dO: see `_plan_backward`)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)

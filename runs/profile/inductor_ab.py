@@ -18,19 +18,11 @@ import argparse
 import torch
 import torch._functorch.config
 import torch._inductor.config
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems import flash_triton as ft
+from cs336_systems.bench import impls
 from cs336_systems.bench.timing import harness_bench, host_times
-
-
-def sdpa_flash(q, k, v, is_causal):
-    """SDPA's flash backend on the (1, H, S, D) view of (H, S, D) inputs, as the leaderboard runs it (the backend
-    takes no 3-D inputs)."""
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=is_causal)[0]
 
 
 def main() -> None:
@@ -45,6 +37,7 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
     device = torch.device("cuda")
     q, k, v = torch.randn(3, 16, args.seq, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sdpa_flash = impls.build("sdpa_flash", impls.Setup(device, "bf16", args.seq))  # (H, S, D) inputs as (1, H, S, D)
     inlined = ft._inlined
     rows = {
         "ours compiled, Inductor launches": (lambda: torch.compile(ft.FlashAttention2Triton.apply), inlined),
