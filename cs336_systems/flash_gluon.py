@@ -377,6 +377,132 @@ def flash_bwd_kv_qrows_gluon_kernel(
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
+@gluon.jit
+def _single_keys_tile(t, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
+                      L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
+                      qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Query tile t of `flash_bwd_single_keys_gluon_kernel`; MASKED: the tile on the diagonal. Every wgmma is
+    retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
+    dtype: gl.constexpr = q_smem.dtype
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    s = t % STAGES
+    b = t % 2
+    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    q_tile = q_smem.index(s)
+    do_tile = do_smem.index(s)
+    sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    lse = gl.load(L_ptr + row + offs_m) * LOG2E
+    sT = warpgroup_mma_wait(1, deps=(sT, ))
+    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
+    if MASKED:  # query i sees key j iff i >= j
+        q_start = q_first + (t % n_vis) * BLOCK_M
+        keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
+        pT = gl.where(keep, pT, 0.0)
+    delta = gl.load(Delta_ptr + row + offs_m)
+    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
+    dsT = pT * (dpT - gl.expand_dims(delta, 0))
+    ds_smem.index(b).store(dsT.to(dtype))
+    p_op = gl.convert_layout(pT.to(dtype), a_layout)
+    ds_op = gl.convert_layout(dsT.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+    # the reduction of tile t-2's dQ (issued after the last barrier) has read buffer b; the barrier carries that
+    # to every thread (the wait holds only in the issuing thread), and tells it that every warpgroup has stored
+    # tile t-1's dQ and this tile's dS and is past tile t-1's matmuls (its stage is free)
+    tma.store_wait(pendings=0)
+    fence_async_shared()
+    gl.thread_barrier()
+    if t > 0:
+        _tma_reduce_add(dq_desc, [_tile_row(t - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
+                        dq_smem.index(1 - b))
+    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
+                      N_QUERIES, BLOCK_M, STAGES)
+    dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+    dq, dv, p_op = warpgroup_mma_wait(1, deps=(dq, dv, p_op))
+    dq_smem.index(b).store(dq)
+    dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+    return dk, dv
+
+
+@gluon.jit
+def flash_bwd_single_keys_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    is_causal: gl.constexpr, num_warps: gl.constexpr,
+):
+    """The single-pass backward with the keys on rows (FlashAttention-3's d-64 schedule, without its
+    warp specialization). Grid (batch·kv_heads, key tiles) as `flash_bwd_kv_gluon_kernel`.
+
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
+    are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
+    goes there (two buffers) for dQ = dS·K, which takes the whole tile: a warpgroup per 64 queries over all
+    the keys. Per query tile t (`_single_keys_tile`):
+        issue  Sᵀ, dPᵀ                                       wait Sᵀ
+        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                       (runs under dPᵀ's matmul)   wait dPᵀ
+        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared buffer t % 2, issue dV += Pᵀ·dO
+        the one barrier of the tile; one thread issues the TMA reduction of tile t-1's dQ (fp32 buffer
+        (t-1) % 2) and the TMA of tile t+STAGES-1 into t-1's stage
+        issue  dQ = dS·K, dK += dSᵀ·Q     wait dV, dQ -> shared buffer t % 2     wait dK
+    The thread that issues the reductions waits for the last one before the barrier, two tiles after it
+    was issued. L and delta are read per tile from global memory."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+
+    # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D); dQ: (BLOCK_M, D). Warps along rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
+
+    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
+        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
+
+    qk_scale = scale * LOG2E
+    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=row_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
+    # q_first = k_start), the only one that needs the mask
+    for g in range(KV_GROUP):
+        t0 = g * n_vis
+        if is_causal:
+            if n_vis > 0:
+                dk, dv = _single_keys_tile(
+                    t0, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
+                    qk_scale, BLOCK_M, STAGES, True)
+            first = 1
+        else:
+            first = 0
+        for j in range(first, n_vis):
+            dk, dv = _single_keys_tile(
+                t0 + j, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
+                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
+                qk_scale, BLOCK_M, STAGES, False)
+    # the last tile's dQ; then every reduction has read dq_smem, whose space the epilogue may reuse
+    fence_async_shared()
+    gl.thread_barrier()
+    if total > 0:
+        _tma_reduce_add(dq_desc, [_tile_row(total - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
+                        dq_smem.index((total - 1) % 2))
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+
+
 # ----------------------------------------------------------------------------------------------
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
 # ----------------------------------------------------------------------------------------------
@@ -584,6 +710,8 @@ QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # the same kernel as the single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
 # (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
 SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
+# the single pass with the keys on rows (`flash_bwd_single_keys_gluon_kernel`): FlashAttention-3's d-64 tile
+SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
@@ -607,15 +735,19 @@ def _takes(tensors, d: int, configs: dict) -> bool:
     return _is_sm90(q4.device.index)
 
 
+def _configs(qrows: bool, single_pass: bool) -> dict:
+    if single_pass:
+        return SINGLE_PASS_CONFIGS if qrows else SINGLE_PASS_KEYS_CONFIGS
+    return QROWS_CONFIGS if qrows else CONFIGS
+
+
 def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
               qrows: bool = False, single_pass: bool = False) -> bool:
     """Whether `kv_pass` (with `qrows`; with a dQ accumulator if `single_pass`) takes these (B, H, S, D)
     tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the single pass d 64), contiguous, whole
     tiles."""
     d = q4.shape[-1]
-    if single_pass and not qrows:
-        return False
-    configs = SINGLE_PASS_CONFIGS if single_pass else QROWS_CONFIGS if qrows else CONFIGS
+    configs = _configs(qrows, single_pass)
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
@@ -654,9 +786,10 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         config = FWD_CONFIGS[d]
         _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
-    if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon"):
-        qrows = name != "flash_bwd_kv_gluon"
-        dq_acc = torch.empty(heads, seq, d) if name == "flash_bwd_single_pass_gluon" else None
+    if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon",
+                "flash_bwd_single_pass_keys_gluon"):
+        qrows = name in ("flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon")
+        dq_acc = torch.empty(heads, seq, d) if name.startswith("flash_bwd_single_pass") else None
         config = GLUON_KERNELS[name][d]
         kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows,
                                                          dq_acc)
@@ -666,7 +799,8 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
 GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
-                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS}
+                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
+                 "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, grid, dtype, head dim, config, causal, the integer arguments,
@@ -703,28 +837,28 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass)."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    block_m, block_n, warps, stages = config or (
-        SINGLE_PASS_CONFIGS if dq_acc is not None else QROWS_CONFIGS if qrows else CONFIGS)[d]
-    if qrows and not block_m == block_n == 16 * warps:
-        raise ValueError(f"the queries-on-rows dK/dV pass takes BLOCK_M = BLOCK_N = 16·num_warps (a warpgroup per "
-                         f"64 rows), got {config}")
-    if dq_acc is not None and not qrows:
-        raise ValueError("the single-pass backward (dq_acc) runs only in the queries-on-rows kernel (qrows=True)")
+    single = dq_acc is not None
+    block_m, block_n, warps, stages = config or _configs(qrows, single)[d]
+    if (qrows or single) and not block_m == block_n == 16 * warps:
+        raise ValueError(f"the queries-on-rows dK/dV pass and the single passes take BLOCK_M = BLOCK_N = "
+                         f"16·num_warps (a warpgroup per 64 rows), got {config}")
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n), lse, delta)
-    if qrows:  # the fp32 dQ accumulator (the single pass), or dK's as an untouched stand-in
+    if qrows or single:  # the fp32 dQ accumulator (the single passes), or dK's as an untouched stand-in
         args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
-        constexprs["DQ_ATOMIC"] = dq_acc is not None
+    if qrows:
+        constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps
     args += (heads, heads // kv_heads, n_q, n_k, scale)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
            dq_acc is not None)
-    kernel = flash_bwd_kv_qrows_gluon_kernel if qrows else flash_bwd_kv_gluon_kernel
+    kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
+              flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, args, constexprs, key
 
 

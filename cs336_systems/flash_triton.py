@@ -847,6 +847,10 @@ class KernelOptions:
     # keys-on-rows Gluon kernel. (The Triton pass has the keys on rows; the queries on rows in Triton lost
     # 17-51% on the H200 and was removed: NOTES.md, session 14.)
     kv_qrows: bool = True
+    # The Gluon single pass (deterministic None/False) with the queries on rows as well
+    # (flash_gluon.flash_bwd_kv_qrows_gluon_kernel with DQ_ATOMIC). False: the keys on rows, P and dS in registers
+    # (flash_gluon.flash_bwd_single_keys_gluon_kernel, FlashAttention-3's d-64 backward).
+    single_qrows: bool = False
     # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
     # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,
     # contiguous, whole 64-row tiles) and the call is long enough for its launch (GLUON_MIN_WORK), True
@@ -1375,11 +1379,11 @@ def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     inputs_tma = _tma_wanted(opts) and _tma_ok(q4, k4, v4)
     gluon_wanted, gluon_config = _gluon_choice(opts, opts.gluon_kv, "kv", batch * heads * n_q * n_k)
-    # the single pass in Gluon (queries on rows, dQ by TMA reductions; dO made contiguous for it, so q stands in
-    # for it in `supported`'s layout checks)
-    gluon_single = (gluon_wanted and opts.deterministic is not True and opts.kv_qrows and opts.skip_masked_tiles
+    # the single pass in Gluon (dQ by TMA reductions; dO made contiguous for it, so q stands in for it in
+    # `supported`'s layout checks)
+    gluon_single = (gluon_wanted and opts.deterministic is not True and opts.skip_masked_tiles
                     and inputs_tma and do4.dtype == q4.dtype
-                    and flash_gluon.supported(q4, k4, v4, q4, gluon_config, True, single_pass=True))
+                    and flash_gluon.supported(q4, k4, v4, q4, gluon_config, opts.single_qrows, single_pass=True))
     atomic = opts.deterministic is False or gluon_single
     fused = opts.fused_prep and not atomic
     # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
@@ -1423,7 +1427,8 @@ def _plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, opts, device)
     if gluon_single or (gluon_wanted and not atomic and not kv_chunk and opts.skip_masked_tiles and use_tma
                         and flash_gluon.supported(q4, k4, v4, do_tiles, gluon_config, opts.kv_qrows)):
-        gluon_kv = (gluon_config, dict(cached=not launch_hooks_installed(), qrows=opts.kv_qrows))
+        gluon_kv = (gluon_config, dict(cached=not launch_hooks_installed(),
+                                       qrows=opts.single_qrows if gluon_single else opts.kv_qrows))
     else:
         kv = _PlannedLaunch(
             _kv_launch, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),

@@ -277,27 +277,28 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, 
 
 @pytest.mark.parametrize("opts,min_work,single,expected", [
     ({}, 1 << 30, True, ("triton",)),                          # default: only calls of 2^30+ work ...
-    ({}, 1, True, ("gluon", True, None, True)),                # ... take the Gluon single pass where it applies,
-    ({}, 1, False, ("gluon", True, None, False)),              # else the queries-on-rows two-pass Gluon pass
+    ({}, 1, True, ("gluon", False, None, True)),               # ... take the Gluon single pass (keys on rows)
+    ({}, 1, False, ("gluon", True, None, False)),              # where it applies, else the queries-on-rows two-pass
+    ({"single_qrows": True}, 1, True, ("gluon", True, None, True)),  # the queries-on-rows single pass
     ({"deterministic": True}, 1, True, ("gluon", True, None, False)),
-    ({"kv_qrows": False}, 1, True, ("gluon", False, None, False)),  # the keys-on-rows kernel has no single pass
+    ({"deterministic": True, "kv_qrows": False}, 1, True, ("gluon", False, None, False)),
     ({"gluon_kv": False}, 1, True, ("triton",)),
     ({"gluon_kv": True, "deterministic": True}, 1 << 30, True, ("gluon", True, None, False)),  # wherever it applies
     ({"gluon_kv": True, "autotune": False, "configs": (("kv", (128, 128, 8, 2)),)}, 1 << 30, False,
      ("gluon", True, (128, 128, 8, 2), False)),
     # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
     ({"autotune": False, "configs": (("kv", (32, 128, 4, 3)),)}, 1, False, ("gluon", True, None, False)),
-    ({"deterministic": False}, 1, True, ("gluon", True, None, True)),
+    ({"deterministic": False}, 1, True, ("gluon", False, None, True)),
     ({"deterministic": False}, 1, False, ("triton",)),         # the Triton single pass where Gluon's does not apply
-    ({"deterministic": False, "kv_qrows": False}, 1, True, ("triton",)),
     ({"deterministic": False}, 1 << 30, True, ("triton",)),
-], ids=["default-small", "default-large", "default-large-two-pass", "deterministic", "keys-on-rows", "off", "on",
-        "on-with-config", "auto-keeps-triton-config", "atomic", "atomic-triton", "atomic-keys-on-rows", "atomic-small"])
+], ids=["default-small", "default-large", "default-large-two-pass", "single-qrows", "deterministic",
+        "deterministic-keys-on-rows", "off", "on", "on-with-config", "auto-keeps-triton-config", "atomic",
+        "atomic-triton", "atomic-small"])
 def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_work, single, expected):
-    """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon pass (queries on
-    rows unless kv_qrows=False; as the single pass with a dQ accumulator unless deterministic=True, where
-    its config applies: `single`) where KernelOptions.gluon_kv asks for it and it applies, else the Triton
-    pass."""
+    """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon single pass with a dQ
+    accumulator (keys on rows unless single_qrows) where its config applies (`single`) and deterministic is
+    not True, else the Gluon two-pass dK/dV pass (queries on rows unless kv_qrows=False), where
+    KernelOptions.gluon_kv asks for it and it applies, else the Triton pass."""
     import cs336_systems.flash_triton as ft
 
     calls = []

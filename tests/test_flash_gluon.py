@@ -25,24 +25,25 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["keys-on-rows", "queries-on-rows", "single-pass"])
+@pytest.mark.parametrize("kernel", ["keys-on-rows", "queries-on-rows", "single-pass-qrows", "single-pass-keys"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
     """The dK/dV kernels: keys on rows (`flash_bwd_kv_gluon_kernel`), queries on rows
-    (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows), and the latter as the single pass with dQ
-    added in fp32 by TMA bulk reductions (KernelOptions.deterministic=False)."""
+    (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows), and the single passes with dQ added in fp32
+    by TMA bulk reductions (KernelOptions.deterministic=False): the latter with DQ_ATOMIC
+    (KernelOptions.single_qrows) and `flash_bwd_single_keys_gluon_kernel`."""
     from cs336_systems import flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
     q, do = (randn_cuda(b, h, n_q, d, seed=50 + i, dtype=dtype) for i in range(2))
     k, v = (randn_cuda(b, h_kv, n_k, d, seed=52 + i, dtype=dtype) for i in range(2))
-    qrows, single = kernel != "keys-on-rows", kernel == "single-pass"
-    if single and d not in flash_gluon.SINGLE_PASS_CONFIGS:
+    qrows, single = kernel in ("queries-on-rows", "single-pass-qrows"), kernel.startswith("single")
+    if single and not flash_gluon.supported(q, k, v, do, qrows=qrows, single_pass=True) and d != 64:
         pytest.skip(f"no Gluon single pass at d {d}")
     assert flash_gluon.supported(q, k, v, do, qrows=qrows, single_pass=single), "the case must take the Gluon path"
-    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows, deterministic=not single)
+    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows, single_qrows=qrows, deterministic=not single)
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
     ours = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
 
@@ -69,7 +70,7 @@ def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
     q, do = (randn_cuda(2, 4, 1024, 64, seed=80 + i, dtype=torch.bfloat16) for i in range(2))
     k, v = (randn_cuda(2, 2, 1024, 64, seed=82 + i, dtype=torch.bfloat16) for i in range(2))
     assert flash_gluon.supported(q, k, v, do, config, qrows=True, single_pass=not deterministic)
-    opts = KernelOptions(gluon_kv=True, kv_qrows=True, autotune=False, configs=(("kv", config),),
+    opts = KernelOptions(gluon_kv=True, kv_qrows=True, single_qrows=True, autotune=False, configs=(("kv", config),),
                          deterministic=deterministic)
     o, lse = flash_forward_triton(q, k, v, True, opts)
     ours = flash_backward_triton(q, k, v, o, lse, do, True, opts)
