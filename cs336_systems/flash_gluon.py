@@ -378,51 +378,59 @@ def flash_bwd_kv_qrows_gluon_kernel(
 
 
 @gluon.jit
-def _single_keys_tile(t, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
-                      L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
-                      qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """Query tile t of `flash_bwd_single_keys_gluon_kernel`; MASKED: the tile on the diagonal. Every wgmma is
-    retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
+def _single_keys_tile(t, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                      delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
+                      first_head, q_first, N_QUERIES, qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                      MASKED: gl.constexpr):
+    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (and tile t-1's dQ); MASKED: the tile on the diagonal.
+    Every wgmma is retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
     dtype: gl.constexpr = q_smem.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # per query
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     s = t % STAGES
     b = t % 2
-    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
     q_tile = q_smem.index(s)
     do_tile = do_smem.index(s)
     sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    lse = gl.load(L_ptr + row + offs_m) * LOG2E
+    # The one barrier of the tile: every warpgroup is past tile t-1 (its stage is free; its dS, L and delta, and
+    # tile t-2's dQ are in shared memory), and the reduction of tile t-3's dQ has read its buffer (the wait holds
+    # only in the thread that issued it; the barrier carries it).
+    tma.store_wait(pendings=0)
+    fence_async_shared()
+    gl.thread_barrier()
+    if t >= 2:
+        _tma_reduce_add(dq_desc, [_tile_row(t - 2, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
+                        dq_smem.index(b))
+    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
+                      N_QUERIES, BLOCK_M, STAGES)
+    lse = lse_smem.index(b).load(col_layout)
     sT = warpgroup_mma_wait(1, deps=(sT, ))
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
     if MASKED:  # query i sees key j iff i >= j
         q_start = q_first + (t % n_vis) * BLOCK_M
-        keep = gl.expand_dims(q_start + offs_m, 0) >= gl.expand_dims(offs_k, 1)
+        keep = gl.expand_dims(q_start + gl.arange(0, BLOCK_M, layout=col_layout), 0) >= gl.expand_dims(offs_k, 1)
         pT = gl.where(keep, pT, 0.0)
-    delta = gl.load(Delta_ptr + row + offs_m)
+    delta = delta_smem.index(b).load(col_layout)
     dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-    dsT = pT * (dpT - gl.expand_dims(delta, 0))
-    ds_smem.index(b).store(dsT.to(dtype))
+    dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
+    ds_smem.index(b).store(dsT)
     p_op = gl.convert_layout(pT.to(dtype), a_layout)
-    ds_op = gl.convert_layout(dsT.to(dtype), a_layout)
+    ds_op = gl.convert_layout(dsT, a_layout)
+    # tile t-1's dQ = dS·K (its dSᵀ buffer read transposed; a warpgroup per 64 queries over all the keys), then
+    # dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from registers
+    dq = warpgroup_mma(ds_smem.index(1 - b).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
     dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-    # the reduction of tile t-2's dQ (issued after the last barrier) has read buffer b; the barrier carries that
-    # to every thread (the wait holds only in the issuing thread), and tells it that every warpgroup has stored
-    # tile t-1's dQ and this tile's dS and is past tile t-1's matmuls (its stage is free)
-    tma.store_wait(pendings=0)
-    fence_async_shared()
-    gl.thread_barrier()
-    if t > 0:
-        _tma_reduce_add(dq_desc, [_tile_row(t - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                        dq_smem.index(1 - b))
-    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
-                      N_QUERIES, BLOCK_M, STAGES)
-    dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
     dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    dq, dv, p_op = warpgroup_mma_wait(1, deps=(dq, dv, p_op))
-    dq_smem.index(b).store(dq)
-    dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+    # the next tile's L and delta, loaded under these matmuls
+    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_c, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
+                                      BLOCK_M)
+    dq = warpgroup_mma_wait(2, deps=(dq, ))
+    dq_smem.index(1 - b).store(dq)
+    lse_smem.index(1 - b).store(lse_next)
+    delta_smem.index(1 - b).store(delta_next)
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     return dk, dv
 
 
@@ -433,21 +441,22 @@ def flash_bwd_single_keys_gluon_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The single-pass backward with the keys on rows (FlashAttention-3's d-64 schedule, without its
-    warp specialization). Grid (batch·kv_heads, key tiles) as `flash_bwd_kv_gluon_kernel`.
+    """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout, without its warp
+    specialization). Grid (batch·kv_heads, key tiles) as `flash_bwd_kv_gluon_kernel`.
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
-    goes there (two buffers) for dQ = dS·K, which takes the whole tile: a warpgroup per 64 queries over all
-    the keys. Per query tile t (`_single_keys_tile`):
-        issue  Sᵀ, dPᵀ                                       wait Sᵀ
-        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                       (runs under dPᵀ's matmul)   wait dPᵀ
-        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared buffer t % 2, issue dV += Pᵀ·dO
-        the one barrier of the tile; one thread issues the TMA reduction of tile t-1's dQ (fp32 buffer
-        (t-1) % 2) and the TMA of tile t+STAGES-1 into t-1's stage
-        issue  dQ = dS·K, dK += dSᵀ·Q     wait dV, dQ -> shared buffer t % 2     wait dK
-    The thread that issues the reductions waits for the last one before the barrier, two tiles after it
-    was issued. L and delta are read per tile from global memory."""
+    goes there (two buffers) for dQ = dS·K, which needs the whole tile (a warpgroup per 64 queries over all
+    the keys), so it is computed one tile later, after the next tile's barrier. Per query tile t
+    (`_single_keys_tile`):
+        issue  Sᵀ, dPᵀ                                       load L, delta of tile t+1
+        the one barrier of the tile; one thread issues the TMA reduction of tile t-2's dQ (fp32 buffer t % 2)
+        and the TMA of tile t+1 into tile t-1's stage
+        Pᵀ = exp2(Sᵀ·scale·log2 e - L)  (L from shared)      (runs under dPᵀ's matmul)
+        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared buffer t % 2
+        issue  dQ of tile t-1, dV += Pᵀ·dO, dK += dSᵀ·Q       L, delta of tile t+1 -> shared
+        wait dQ -> shared buffer (t-1) % 2                    wait dV, dK
+    BLOCK_M = BLOCK_N = 16·num_warps."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
 
@@ -456,22 +465,29 @@ def flash_bwd_single_keys_gluon_kernel(
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
+    # L and delta of a tile as loaded from global memory: a value or two per thread
+    flat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
     k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
         q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
 
     qk_scale = scale * LOG2E
-    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
+    offs_c = gl.arange(0, BLOCK_M, layout=flat_layout)
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=row_layout)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    lse0, delta0 = _tile_rows(L_ptr, Delta_ptr, offs_c, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    lse_smem.index(0).store(lse0)
+    delta_smem.index(0).store(delta0)
     mbarrier.wait(kv_bar, 0)
 
     # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
@@ -481,27 +497,35 @@ def flash_bwd_single_keys_gluon_kernel(
         if is_causal:
             if n_vis > 0:
                 dk, dv = _single_keys_tile(
-                    t0, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
-                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
-                    qk_scale, BLOCK_M, STAGES, True)
+                    t0, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                    delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
+                    first_head, q_first, N_QUERIES, qk_scale, BLOCK_M, STAGES, True)
             first = 1
         else:
             first = 0
         for j in range(first, n_vis):
             dk, dv = _single_keys_tile(
-                t0 + j, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ready, dq_desc,
-                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, zero_dq, total, n_vis, first_head, q_first, N_QUERIES,
-                qk_scale, BLOCK_M, STAGES, False)
-    # the last tile's dQ; then every reduction has read dq_smem, whose space the epilogue may reuse
-    fence_async_shared()
-    gl.thread_barrier()
-    if total > 0:
-        _tma_reduce_add(dq_desc, [_tile_row(total - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                        dq_smem.index((total - 1) % 2))
-    tma.store_wait(pendings=0)
-    gl.thread_barrier()
+                t0 + j, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
+                first_head, q_first, N_QUERIES, qk_scale, BLOCK_M, STAGES, False)
+    if total > 0:  # the last two tiles' dQ; then every reduction has read dq_smem, whose space the epilogue reuses
+        last = total - 1
+        tma.store_wait(pendings=0)
+        fence_async_shared()
+        gl.thread_barrier()
+        if last >= 1:
+            _tma_reduce_add(dq_desc, [_tile_row(last - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
+                            dq_smem.index((last - 1) % 2))
+        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        dq_smem.index(last % 2).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [_tile_row(last, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
+                        dq_smem.index(last % 2))
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
-
 
 # ----------------------------------------------------------------------------------------------
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
