@@ -73,6 +73,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
 REGS_3WG = gl.constexpr(160)
+# registers per thread of the single pass's loader and dQ warps (`_single_keys_loader`, `_single_keys_dq_writer`)
+WORKER_REGS = gl.constexpr(24)
 
 
 @builtin
@@ -378,154 +380,295 @@ def flash_bwd_kv_qrows_gluon_kernel(
 
 
 @gluon.jit
-def _single_keys_tile(t, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                      delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
-                      first_head, q_first, N_QUERIES, qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      MASKED: gl.constexpr):
-    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (and tile t-1's dQ); MASKED: the tile on the diagonal.
-    Every wgmma is retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
-    dtype: gl.constexpr = q_smem.dtype
-    col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # per query
+def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
+                        lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
+                        q_first, N_QUERIES, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp of `flash_bwd_single_keys_gluon_kernel`: K and V once, then per query tile t, once its
+    stage is free (`empty`: the compute warps are past tile t-STAGES), Q, dO, L and delta into stage t % STAGES
+    (`ready`). It also passes the news on to the dQ warp: past tile t-STAGES, the compute warps have stored the
+    dQ of tile t-STAGES-1 (`dq_full`), so that their loop arrives on one barrier per tile, not two."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
+    for t in range(total):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # (a fresh barrier passes phase 1)
+        if t >= STAGES + 1:
+            mbarrier.arrive(dq_full.index((t - STAGES - 1) % 2))
+        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [row // BLOCK_M, 0], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [row // BLOCK_M, 0], bar, delta_smem.index(s))
+
+
+@gluon.jit
+def _single_keys_dq_writer(dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, total, n_vis, first_head, q_first,
+                           N_QUERIES, BLOCK_M: gl.constexpr):
+    """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in buffer u % 2
+    (`dq_full`), two TMA bulk reductions (a half tile each) into the accumulator behind dq_desc; once they have
+    read the buffer, it goes back to the compute warps (`dq_empty`)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    for u in range(total):
+        b = u % 2
+        mbarrier.wait(dq_full.index(b), (u // 2) & 1)
+        row = _tile_row(u, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+        if b == 0:
+            _tma_reduce_add(dq_desc, [row, 0], dq0a)
+            _tma_reduce_add(dq_desc, [row + HALF, 0], dq0b)
+        else:
+            _tma_reduce_add(dq_desc, [row, 0], dq1a)
+            _tma_reduce_add(dq_desc, [row + HALF, 0], dq1b)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_empty.index(b))
+
+
+@gluon.jit
+def _single_keys_half(sT, dpT, lse_half, delta_half, ds_half, offs_k, q_start, MASKED: gl.constexpr):
+    """Pᵀ and dSᵀ (in Q's dtype) of one half of a tile (BLOCK_M / 2 queries) from its Sᵀ (scaled by
+    scale·log2 e) and dPᵀ; dSᵀ also stored into the half's dSᵀ buffer. dS takes P in Q's dtype, as dV does."""
+    dtype: gl.constexpr = ds_half.dtype
+    s_layout: gl.constexpr = sT.type.layout
+    pT = gl.exp2(sT - lse_half.load(s_layout) * LOG2E)
+    if MASKED:  # query i sees key j iff i >= j
+        offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
+        pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
+    p16 = pT.to(dtype)
+    dsT = (p16.to(gl.float32) * (dpT - delta_half.load(s_layout))).to(dtype)
+    ds_half.store(dsT)
+    return p16, dsT
+
+
+@gluon.jit
+def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_cur_a, ds_cur_b, ds_prev_a,
+                      ds_prev_b, dq_prev_a, dq_prev_b, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
+                      qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: the one on the diagonal), in two halves of
+    BLOCK_M / 2 queries, and tile t-1's dQ. ds_cur_a, ds_cur_b: the dSᵀ halves of tiles of t's parity; ds_prev_*,
+    dq_prev_*: those of t-1's parity (each a separate allocation named statically: the compiler's shared-memory
+    hazard analysis takes any view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns (one in flight
+    across the caller's loop serializes them all, C7515)."""
+    HALF: gl.constexpr = BLOCK_M // 2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     s = t % STAGES
-    b = t % 2
+    q_start = q_first + (t % n_vis) * BLOCK_M
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    q_tile = q_smem.index(s)
-    do_tile = do_smem.index(s)
-    sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    # The one barrier of the tile: every warpgroup is past tile t-1 (its stage is free; its dS, L and delta, and
-    # tile t-2's dQ are in shared memory), and the reduction of tile t-3's dQ has read its buffer (the wait holds
-    # only in the thread that issued it; the barrier carries it).
-    tma.store_wait(pendings=0)
+    q_a = q_smem.index(s).slice(0, HALF)
+    q_b = q_smem.index(s).slice(HALF, HALF)
+    do_a = do_smem.index(s).slice(0, HALF)
+    do_b = do_smem.index(s).slice(HALF, HALF)
+    lse_s = lse_smem.index(s)
+    delta_s = delta_smem.index(s)
+    sT = warpgroup_mma(k_smem, q_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem, do_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    # The one barrier of the tile: every warpgroup is past tile t-1 (its stage goes back to the loader warp; its
+    # dSᵀ and tile t-2's dQ are stored and fenced).
     fence_async_shared()
     gl.thread_barrier()
-    if t >= 2:
-        _tma_reduce_add(dq_desc, [_tile_row(t - 2, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                        dq_smem.index(b))
-    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
-                      N_QUERIES, BLOCK_M, STAGES)
-    lse = lse_smem.index(b).load(col_layout)
-    sT = warpgroup_mma_wait(1, deps=(sT, ))
-    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
-    if MASKED:  # query i sees key j iff i >= j
-        q_start = q_first + (t % n_vis) * BLOCK_M
-        keep = gl.expand_dims(q_start + gl.arange(0, BLOCK_M, layout=col_layout), 0) >= gl.expand_dims(offs_k, 1)
-        pT = gl.where(keep, pT, 0.0)
-    delta = delta_smem.index(b).load(col_layout)
-    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-    dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-    ds_smem.index(b).store(dsT)
-    p_op = gl.convert_layout(pT.to(dtype), a_layout)
-    ds_op = gl.convert_layout(dsT, a_layout)
-    # tile t-1's dQ = dS·K (its dSᵀ buffer read transposed; a warpgroup per 64 queries over all the keys), then
-    # dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from registers
-    dq = warpgroup_mma(ds_smem.index(1 - b).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    # the next tile's L and delta, loaded under these matmuls
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_c, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
-                                      BLOCK_M)
-    dq = warpgroup_mma_wait(2, deps=(dq, ))
-    dq_smem.index(1 - b).store(dq)
-    lse_smem.index(1 - b).store(lse_next)
-    delta_smem.index(1 - b).store(delta_next)
-    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t >= 1)
+    # tile t-1's dQ = dS·K, a half (BLOCK_M / 2 queries, each warpgroup D / 2 columns) from each dSᵀ half
+    dq_a = warpgroup_mma(ds_prev_a.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dq_b = warpgroup_mma(ds_prev_b.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    # first half: Pᵀ, dSᵀ under dPᵀ's and dQ's matmuls
+    sT = warpgroup_mma_wait(3, deps=(sT, ))
+    dpT = warpgroup_mma_wait(2, deps=(dpT, ))
+    p_a, ds_a = _single_keys_half(sT * qk_scale, dpT, lse_s.slice(0, HALF, dim=1), delta_s.slice(0, HALF, dim=1),
+                                  ds_cur_a, offs_k, q_start, MASKED)
+    # the second half's Sᵀ, dPᵀ, then the first half's dV, dK (Pᵀ, dSᵀ from registers): the second half's
+    # exponentials run under them
+    sT = warpgroup_mma(k_smem, q_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem, do_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    p_a = gl.convert_layout(p_a, a_layout)
+    ds_a = gl.convert_layout(ds_a, a_layout)
+    dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
+    dk = warpgroup_mma(ds_a, q_a, dk, is_async=True)
+    dq_a, dq_b = warpgroup_mma_wait(4, deps=(dq_a, dq_b))
+    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reductions of tile t-3 have read it
+        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+        dq_prev_a.store(dq_a)
+        dq_prev_b.store(dq_b)
+    sT = warpgroup_mma_wait(3, deps=(sT, ))
+    dpT = warpgroup_mma_wait(2, deps=(dpT, ))
+    p_b, ds_b = _single_keys_half(sT * qk_scale, dpT, lse_s.slice(HALF, HALF, dim=1),
+                                  delta_s.slice(HALF, HALF, dim=1), ds_cur_b, offs_k, q_start + HALF, MASKED)
+    p_b = gl.convert_layout(p_b, a_layout)
+    ds_b = gl.convert_layout(ds_b, a_layout)
+    dv = warpgroup_mma(p_b, do_b, dv, is_async=True)
+    dk = warpgroup_mma(ds_b, q_b, dk, is_async=True)
+    dk, dv, p_a, ds_a, p_b, ds_b = warpgroup_mma_wait(0, deps=(dk, dv, p_a, ds_a, p_b, ds_b))
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb, ds_ya,
+                     ds_yb, dq_xa, dq_xb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first,
+                     qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
+    """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y; under
+    causal masking the first is the diagonal tile."""
+    dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb,
+                               ds_ya, ds_yb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
+                               q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+    for i in range((n_vis - 1) // 2):
+        t = t0 + 1 + 2 * i
+        dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_ya, ds_yb,
+                                   ds_xa, ds_xb, dq_xa, dq_xb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
+                                   q_first, qk_scale, BLOCK_M, STAGES, False)
+        dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb,
+                                   ds_ya, ds_yb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
+                                   q_first, qk_scale, BLOCK_M, STAGES, False)
+    if (n_vis - 1) % 2 == 1:
+        dk, dv = _single_keys_tile(t0 + n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                   ds_ya, ds_yb, ds_xa, ds_xb, dq_xa, dq_xb, ready, empty, dq_empty, offs_k, zero_s,
+                                   zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES, False)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_last_dq(last, ds_a, ds_b, dq_a, dq_b, k_smem, dq_full, dq_empty, zero_dq, STAGES: gl.constexpr):
+    """After the last tile: the dQ of the tiles the loader warp did not announce to the dQ warp, then the last
+    tile's dQ."""
+    fence_async_shared()
+    gl.thread_barrier()
+    for u in range(gl.maximum(last - STAGES, 0), last):
+        mbarrier.arrive(dq_full.index(u % 2))
+    dqa = warpgroup_mma(ds_a.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dqb = warpgroup_mma(ds_b.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
+    mbarrier.wait(dq_empty.index(last % 2), ((last // 2) & 1) ^ 1)
+    dq_a.store(dqa)
+    dq_b.store(dqb)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(last % 2))
+
+
+@gluon.jit
+def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a, dq0b,
+                         dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                         is_causal: gl.constexpr, num_warps: gl.constexpr):
+    """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
+    named statically (tiles of even t take buffers 0); returns dK (unscaled) and dV."""
+    # Sᵀ, dPᵀ of half a tile: (BLOCK_N keys, BLOCK_M / 2 queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
+    # dQ of half a tile: (BLOCK_M / 2, D), a warpgroup per D / 2 columns
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M // 2, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // 2, 2],
+                                                        instr_shape=[16, D // 2, 16])
+    qk_scale = scale * LOG2E
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M // 2], gl.float32, s_layout)
+    zero_dq = gl.zeros([BLOCK_M // 2, D], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    if n_vis > 0:
+        for g in range(KV_GROUP):  # a query head of the group at a time
+            t0 = g * n_vis
+            if t0 % 2 == 0:
+                dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                          ds0a, ds0b, ds1a, ds1b, dq0a, dq0b, dq1a, dq1b, ready, empty, dq_empty,
+                                          offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+            else:
+                dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                          ds1a, ds1b, ds0a, ds0b, dq1a, dq1b, dq0a, dq0b, ready, empty, dq_empty,
+                                          offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+        last = total - 1
+        if last % 2 == 0:
+            _single_keys_last_dq(last, ds0a, ds0b, dq0a, dq0b, k_smem, dq_full, dq_empty, zero_dq, STAGES)
+        else:
+            _single_keys_last_dq(last, ds1a, ds1b, dq1a, dq1b, k_smem, dq_full, dq_empty, zero_dq, STAGES)
     return dk, dv
 
 
 @gluon.jit
 def flash_bwd_single_keys_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout, without its warp
-    specialization). Grid (batch·kv_heads, key tiles) as `flash_bwd_kv_gluon_kernel`.
+    """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout). Grid (batch·kv_heads,
+    key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
+    fp32 descriptors, a row per query tile.
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
     goes there (two buffers) for dQ = dS·K, which needs the whole tile (a warpgroup per 64 queries over all
-    the keys), so it is computed one tile later, after the next tile's barrier. Per query tile t
-    (`_single_keys_tile`):
-        issue  Sᵀ, dPᵀ                                       load L, delta of tile t+1
-        the one barrier of the tile; one thread issues the TMA reduction of tile t-2's dQ (fp32 buffer t % 2)
-        and the TMA of tile t+1 into tile t-1's stage
-        Pᵀ = exp2(Sᵀ·scale·log2 e - L)  (L from shared)      (runs under dPᵀ's matmul)
-        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared buffer t % 2
-        issue  dQ of tile t-1, dV += Pᵀ·dO, dK += dSᵀ·Q       L, delta of tile t+1 -> shared
-        wait dQ -> shared buffer (t-1) % 2                    wait dV, dK
-    BLOCK_M = BLOCK_N = 16·num_warps."""
+    the keys), so it is computed one tile later, after the next tile's barrier. Three partitions
+    (FlashAttention-3's): a loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a
+    dQ warp (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by a TMA bulk
+    reduction; the compute warpgroups (`_single_keys_compute`), per query tile t (`_single_keys_tile`):
+        issue  Sᵀ, dPᵀ
+        the one CTA barrier of the tile: tile t-1's stage goes back to the loader, tile t-2's dQ to the dQ warp
+        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                        (runs under dPᵀ's matmul)
+        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared (buffer of t's parity)
+        issue  dQ of tile t-1, dV += Pᵀ·dO, dK += dSᵀ·Q
+        wait dQ -> shared (fp32 buffer of t-1's parity, once the dQ warp has read it)     wait dV, dK
+    The handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
+    warps, dq_full[b] / dq_empty[b] between the compute warps and the dQ warp. BLOCK_M = BLOCK_N = 16·num_warps."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+    if is_causal:
+        q_first = k_start
+    else:
+        q_first = k_start * 0
+    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
+    total = KV_GROUP * n_vis
 
-    # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D); dQ: (BLOCK_M, D). Warps along rows.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, D, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
-    # L and delta of a tile as loaded from global memory: a value or two per thread
-    flat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
-    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+    # dSᵀ and dQ of a tile by halves (BLOCK_M / 2 queries each), two tiles' worth (by the tile's parity)
+    # (each a separate allocation: see `_single_keys_tile`)
+    ds0a = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds0b = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds1a = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds1b = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
+    dq0a = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
+    dq0b = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
+    dq1a = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
+    dq1b = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
 
-    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
-        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_layout)
-
-    qk_scale = scale * LOG2E
-    offs_c = gl.arange(0, BLOCK_M, layout=flat_layout)
-    offs_k = k_start + gl.arange(0, BLOCK_N, layout=row_layout)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
-    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    lse0, delta0 = _tile_rows(L_ptr, Delta_ptr, offs_c, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
-    lse_smem.index(0).store(lse0)
-    delta_smem.index(0).store(delta0)
-    mbarrier.wait(kv_bar, 0)
-
-    # per query head of the group: under causal masking its first tile is the diagonal one (BLOCK_M = BLOCK_N,
-    # q_first = k_start), the only one that needs the mask
-    for g in range(KV_GROUP):
-        t0 = g * n_vis
-        if is_causal:
-            if n_vis > 0:
-                dk, dv = _single_keys_tile(
-                    t0, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                    delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
-                    first_head, q_first, N_QUERIES, qk_scale, BLOCK_M, STAGES, True)
-            first = 1
-        else:
-            first = 0
-        for j in range(first, n_vis):
-            dk, dv = _single_keys_tile(
-                t0 + j, dk, dv, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                delta_smem, ready, dq_desc, L_ptr, Delta_ptr, offs_c, offs_k, zero_s, zero_dq, total, n_vis,
-                first_head, q_first, N_QUERIES, qk_scale, BLOCK_M, STAGES, False)
-    if total > 0:  # the last two tiles' dQ; then every reduction has read dq_smem, whose space the epilogue reuses
-        last = total - 1
-        tma.store_wait(pendings=0)
-        fence_async_shared()
-        gl.thread_barrier()
-        if last >= 1:
-            _tma_reduce_add(dq_desc, [_tile_row(last - 1, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                            dq_smem.index((last - 1) % 2))
-        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        dq_smem.index(last % 2).store(dq)
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [_tile_row(last, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0],
-                        dq_smem.index(last % 2))
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
+    dk, dv = gl.warp_specialize([
+        (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a,
+                                dq0b, dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale,
+                                BLOCK_M, BLOCK_N, D, STAGES, is_causal, num_warps)),
+        (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
+                               lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
+                               q_first, N_QUERIES, BLOCK_M, STAGES)),
+        (_single_keys_dq_writer, (dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, total, n_vis, first_head,
+                                  q_first, N_QUERIES, BLOCK_M)),
+    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(dq_full.index(i))
+        mbarrier.invalidate(dq_empty.index(i))
     _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+
 
 # ----------------------------------------------------------------------------------------------
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
@@ -793,6 +936,16 @@ def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES.get(dtype, gl.float32))  # fp32: dQ's
 
 
+def _row_desc(t: torch.Tensor, cols: int) -> TensorDescriptor:
+    """A contiguous fp32 (B·H, Nq) tensor (L, delta) as rows of `cols` values, one row per query tile (TMA needs a
+    16-byte-aligned base: a misaligned one is copied)."""
+    if t.data_ptr() % 16:
+        t = t.clone()
+    rows = t.view(-1, cols)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, cols], layout)
+
+
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     flat = t.view(-1, t.shape[-1])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
@@ -870,9 +1023,14 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
-            _desc(dk4, block_n), _desc(dv4, block_n), lse, delta)
-    if qrows or single:  # the fp32 dQ accumulator (the single passes), or dK's as an untouched stand-in
-        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
+            _desc(dk4, block_n), _desc(dv4, block_n))
+    if single and not qrows:  # L and delta through the loader warp's TMA, a row per query tile
+        args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
+    else:
+        args += (lse, delta)
+    if qrows or single:  # the fp32 dQ accumulator (the single passes; by half tiles with the keys on rows), or dK's
+        dq_rows = block_m if qrows else block_m // 2  # as an untouched stand-in
+        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), dq_rows), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps
