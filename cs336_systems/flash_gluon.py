@@ -430,17 +430,16 @@ def _single_keys_dq_writer(dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, t
 @gluon.jit
 def _single_keys_half(sT, dpT, lse_half, delta_half, ds_half, offs_k, q_start, MASKED: gl.constexpr):
     """Pᵀ and dSᵀ (in Q's dtype) of one half of a tile (BLOCK_M / 2 queries) from its Sᵀ (scaled by
-    scale·log2 e) and dPᵀ; dSᵀ also stored into the half's dSᵀ buffer. dS takes P in Q's dtype, as dV does."""
+    scale·log2 e) and dPᵀ; dSᵀ also stored into the half's dSᵀ buffer."""
     dtype: gl.constexpr = ds_half.dtype
     s_layout: gl.constexpr = sT.type.layout
     pT = gl.exp2(sT - lse_half.load(s_layout) * LOG2E)
     if MASKED:  # query i sees key j iff i >= j
         offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
-    p16 = pT.to(dtype)
-    dsT = (p16.to(gl.float32) * (dpT - delta_half.load(s_layout))).to(dtype)
+    dsT = (pT * (dpT - delta_half.load(s_layout))).to(dtype)
     ds_half.store(dsT)
-    return p16, dsT
+    return pT.to(dtype), dsT
 
 
 @gluon.jit
