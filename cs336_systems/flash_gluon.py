@@ -388,8 +388,8 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
     (`ready`). It also passes the news on to the dQ warp: past tile t-STAGES, the compute warps have stored the
     dQ of tile t-STAGES-1 (`dq_full`), so that their loop arrives on one barrier per tile, not two."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem.index(0))
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + delta_desc.block_type.nbytes)
     for t in range(total):
@@ -418,11 +418,11 @@ def _single_keys_dq_writer(dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, t
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
         row = _tile_row(u, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
         if b == 0:
-            _tma_reduce_add(dq_desc, [row, 0], dq0a)
-            _tma_reduce_add(dq_desc, [row + HALF, 0], dq0b)
+            _tma_reduce_add(dq_desc, [row, 0], dq0a.index(0))
+            _tma_reduce_add(dq_desc, [row + HALF, 0], dq0b.index(0))
         else:
-            _tma_reduce_add(dq_desc, [row, 0], dq1a)
-            _tma_reduce_add(dq_desc, [row + HALF, 0], dq1b)
+            _tma_reduce_add(dq_desc, [row, 0], dq1a.index(0))
+            _tma_reduce_add(dq_desc, [row + HALF, 0], dq1b.index(0))
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_empty.index(b))
 
@@ -453,7 +453,18 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     across the caller's loop serializes them all, C7515)."""
     HALF: gl.constexpr = BLOCK_M // 2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    s = t % STAGES
+    # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
+    # descriptors are then computed in the loop instead of hoisted out of it (where ~50 of them were spilled).
+    z = t // 1073741824
+    k_smem = k_smem.index(z)
+    v_smem = v_smem.index(z)
+    ds_cur_a = ds_cur_a.index(z)
+    ds_cur_b = ds_cur_b.index(z)
+    ds_prev_a = ds_prev_a.index(z)
+    ds_prev_b = ds_prev_b.index(z)
+    dq_prev_a = dq_prev_a.index(z)
+    dq_prev_b = dq_prev_b.index(z)
+    s = t % STAGES + z  # (likewise: in the loop of tile pairs, t % STAGES is invariant)
     q_start = q_first + (t % n_vis) * BLOCK_M
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
     q_a = q_smem.index(s).slice(0, HALF)
@@ -534,12 +545,12 @@ def _single_keys_last_dq(last, ds_a, ds_b, dq_a, dq_b, k_smem, dq_full, dq_empty
     gl.thread_barrier()
     for u in range(gl.maximum(last - STAGES, 0), last):
         mbarrier.arrive(dq_full.index(u % 2))
-    dqa = warpgroup_mma(ds_a.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dqb = warpgroup_mma(ds_b.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dqa = warpgroup_mma(ds_a.index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
+    dqb = warpgroup_mma(ds_b.index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
     dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
     mbarrier.wait(dq_empty.index(last % 2), ((last // 2) & 1) ^ 1)
-    dq_a.store(dqa)
-    dq_b.store(dqb)
+    dq_a.index(0).store(dqa)
+    dq_b.index(0).store(dqb)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(last % 2))
@@ -622,22 +633,23 @@ def flash_bwd_single_keys_gluon_kernel(
     total = KV_GROUP * n_vis
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    # K, V and the dS, dQ buffers as (1, ...) allocations (`_single_keys_tile` indexes them)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
     # dSᵀ and dQ of a tile by halves (BLOCK_M / 2 queries each), two tiles' worth (by the tile's parity)
     # (each a separate allocation: see `_single_keys_tile`)
-    ds0a = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds0b = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds1a = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds1b = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M // 2], ds_layout)
-    dq0a = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
-    dq0b = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
-    dq1a = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
-    dq1b = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 2, D], dq_desc.layout)
+    ds0a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds0b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds1a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
+    ds1b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
+    dq0a = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
+    dq0b = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
+    dq1a = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
+    dq1b = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
