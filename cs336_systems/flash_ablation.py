@@ -2,9 +2,11 @@
 
 The last entry is the shipped kernel (`FlashAttention2Triton`: autotuned, causal tile skipping,
 TMA descriptors; on large sm_90 calls the forward in Gluon (FlashAttention-3's schedule) and, at d 64,
-the single-pass backward in Gluon: FlashAttention-3's layout, dQ added by TMA bulk reductions; elsewhere
-the two-pass backward, whose passes issue dP's matmul before P's exponentials and whose dQ pass, run
-first, computes delta and copies an expanded dO itself). "gluon_kv" is the deterministic two-pass
+the single-pass backward in Gluon with FlashAttention-3's d-64 schedule: keys on rows, P and dS in registers,
+a loader warp and a dQ warp, dQ added by TMA bulk reductions; elsewhere the two-pass backward, whose passes
+issue dP's matmul before P's exponentials and whose dQ pass, run first, computes delta and copies an expanded
+dO itself). "single_pass" is the previous single pass, on the queries-on-rows dK/dV kernel
+(`single_qrows=True`, shipped from the fifteenth to the twentieth session). "gluon_kv" is the deterministic two-pass
 backward (`deterministic=True`) with its dK/dV pass in Gluon, "gluon_fwd" the same with the Triton dK/dV
 pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
@@ -40,7 +42,8 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "fused_prep": autograd_function("FlashFusedPrep", KernelOptions(**_TRITON_ONLY)),
     "gluon_fwd": autograd_function("FlashGluonFwd", KernelOptions(gluon_kv=False, deterministic=True)),
     "gluon_kv": autograd_function("FlashGluonKv", KernelOptions(deterministic=True)),
-    "single_pass": FlashAttention2Triton,
+    "single_pass": autograd_function("FlashSinglePassQrows", KernelOptions(single_qrows=True)),
+    "single_keys": FlashAttention2Triton,
 }
 
 __all__ = ["ABLATION_VARIANTS"]

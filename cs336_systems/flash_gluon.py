@@ -1,5 +1,5 @@
-"""Kernels in Gluon for Hopper (sm_90a): the forward, the dK/dV pass and the single-pass backward (all shipped
-for large calls).
+"""Kernels in Gluon for Hopper (sm_90a): the forward, the dK/dV pass and the single-pass backwards (shipped
+for large calls: the forward, the keys-on-rows single pass at d 64, the queries-on-rows dK/dV pass otherwise).
 
 The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule: a producer warp, two or
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
@@ -8,19 +8,26 @@ the kernel). `flash_triton` runs it by default where `fwd_supported` holds and t
 (`flash_triton.GLUON_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
 the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
 
+The single pass at d 64 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton` runs
+it where `supported(single_pass=True)` holds and the call is large) is FlashAttention-3's d-64 backward: the keys
+on rows, two compute warpgroups split along the keys so that P and dS stay in registers for dV and dK, dS to
+shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel). On the H200
+it takes 5.7% off the backward of the queries-on-rows single pass below at the leaderboard shape (NOTES.md,
+session 21).
+
 The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every
 query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):
 
-- `flash_bwd_kv_qrows_gluon_kernel` (shipped: `flash_triton` runs it where `supported(qrows=True)` holds
-  and the call is large): FlashAttention-3's layout. S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
+- `flash_bwd_kv_qrows_gluon_kernel` (shipped for the two-pass backward: `flash_triton` runs it where
+  `supported(qrows=True)` holds and the call is large): the queries on rows. S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
   (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
   and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop. On the
   H200 it takes 11% off the Triton pass's kernel time at the leaderboard shape and ~20% at d 128 × 65536
-  (NOTES.md, session 14). With DQ_ATOMIC (`kv_pass(dq_acc=)`) the same kernel is the single-pass backward:
-  dQ = dS·K from the shared dS and the resident K tile, its fp32 tile added into an accumulator by a TMA
-  bulk reduction per tile through a double buffer (shipped at d 64 with 128 keys per program, which halves
-  the reduction traffic that held every 64-key single pass back; −6% of the backward against the two-pass
-  design on the H200, NOTES.md, session 15).
+  (NOTES.md, session 14). With DQ_ATOMIC (`kv_pass(qrows=True, dq_acc=)`, `KernelOptions.single_qrows`) the
+  same kernel is a single-pass backward: dQ = dS·K from the shared dS and the resident K tile, its fp32 tile
+  added into an accumulator by a TMA bulk reduction per tile through a double buffer (128 keys per program,
+  which halves the reduction traffic that held every 64-key single pass back; −6% of the backward against the
+  two-pass design on the H200, NOTES.md, session 15; shipped from session 15 to 20).
 - `flash_bwd_kv_gluon_kernel` (opt-in, `KernelOptions(gluon_kv=True, kv_qrows=False)`): the keys on rows,
   as the Triton pass, with the wgmma schedule written out instead of left to Triton's pipeliner, which
   waits for every non-accumulating wgmma as soon as it is issued:
@@ -43,15 +50,17 @@ Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Tr
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
 into the tiles. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
-Variants measured slower and removed (NOTES.md, sessions 8, 9 and 11): K and V as register operands of
+Variants measured slower and removed (NOTES.md, sessions 8, 9, 11 and 21): K and V as register operands of
 Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
 warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
 the single-pass backward on the keys-on-rows kernel with dQ by TMA bulk reductions, in two builds (34c5a8e,
-1c8ee71); the single pass on this queries-on-rows kernel with dQ by `red.global` from registers (97b0bd9).
+1c8ee71); the single pass on this queries-on-rows kernel with dQ by `red.global` from registers (97b0bd9);
+the keys-on-rows single pass without warp specialization, in two builds (a99016b, 321fc96), and with P rounded
+to bf16 for dS (94eaa4b).
 
-Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the forward
-(producer, softmax step, consumer, kernel), then the configs, `supported` / `fwd_supported` and the host
-launchers `kv_pass` and `forward`.
+Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the single pass with
+the keys on rows (loader warp, dQ warp, compute tile, kernel), the forward (producer, softmax step, consumer,
+kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass` and `forward`.
 """
 
 from __future__ import annotations
@@ -885,10 +894,11 @@ CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 # the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`; BLOCK_M = BLOCK_N = 16·num_warps):
 # the best of the H200 sweeps (runs/kernels, plans qrows2 and qrows128; NOTES.md, session 14)
 QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
-# the same kernel as the single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
+# the same kernel as a single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
 # (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
 SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
-# the single pass with the keys on rows (`flash_bwd_single_keys_gluon_kernel`): FlashAttention-3's d-64 tile
+# the shipped single pass, keys on rows (`flash_bwd_single_keys_gluon_kernel`): FlashAttention-3's d-64 tile of
+# 128 keys × 128 queries, two compute warpgroups (its shared memory, 226 KiB, leaves no room for a third stage)
 SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
@@ -981,7 +991,8 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         config = GLUON_KERNELS[name][d]
         kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows,
                                                          dq_acc)
-        return kernel, args, constexprs, constexprs["num_warps"], config
+        workers = 2 if kernel is flash_bwd_single_keys_gluon_kernel else 0  # its loader and dQ warps
+        return kernel, args, constexprs, constexprs["num_warps"] + workers, config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
@@ -1060,10 +1071,10 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
     launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
-    qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc (with qrows): the
-    single pass, which also adds
-    dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by TMA
-    bulk reductions."""
+    qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
+    also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
+    TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
+    DQ_ATOMIC)."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
                                                           config, qrows, dq_acc)
     _launch(kernel, grid, args, constexprs, key, cached)

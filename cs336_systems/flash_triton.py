@@ -831,8 +831,8 @@ class KernelOptions:
     autotune: bool = True            # False: one fixed config per kernel
     # True: the two-pass backward (bitwise repeatable). False: the single pass, dQ added in fp32 by atomics
     # or TMA reductions (not bitwise repeatable). None: the single pass where its Gluon kernel applies
-    # (flash_gluon.supported(single_pass=True); the kv pass's gluon_kv/GLUON_MIN_WORK rule) and the options
-    # keep the Gluon queries-on-rows pass, else the two-pass (faster than the Triton single pass everywhere).
+    # (flash_gluon.supported(single_pass=True); the kv pass's gluon_kv/GLUON_MIN_WORK rule), else the two-pass
+    # (faster than the Triton single pass everywhere).
     deterministic: bool | None = None
     tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
     dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
@@ -848,8 +848,9 @@ class KernelOptions:
     # 17-51% on the H200 and was removed: NOTES.md, session 14.)
     kv_qrows: bool = True
     # The Gluon single pass (deterministic None/False) with the queries on rows as well
-    # (flash_gluon.flash_bwd_kv_qrows_gluon_kernel with DQ_ATOMIC). False: the keys on rows, P and dS in registers
-    # (flash_gluon.flash_bwd_single_keys_gluon_kernel, FlashAttention-3's d-64 backward).
+    # (flash_gluon.flash_bwd_kv_qrows_gluon_kernel with DQ_ATOMIC; shipped until session 20). False: the keys on
+    # rows, P and dS in registers (flash_gluon.flash_bwd_single_keys_gluon_kernel, FlashAttention-3's d-64
+    # backward; 5.7% less backward time at the leaderboard shape on the H200, NOTES.md session 21).
     single_qrows: bool = False
     # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
     # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,

@@ -95,6 +95,24 @@ def test_gluon_kv_qrows_rejects_mismatched_tiles():
         flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, (64, 128, 4, 2), qrows=True)
 
 
+def test_gluon_single_pass_keys_launch_plan():
+    """The keys-on-rows single pass's launch, built on the CPU (not run): its kernel, its warps (two compute
+    warpgroups, a loader warp, a dQ warp), L and delta as one row of BLOCK_M values per query tile for the loader's
+    TMA, dQ's accumulator reduced in half tiles."""
+    from cs336_systems import flash_gluon
+
+    kernel, args, constexprs, warps, config = flash_gluon.example_launch(
+        "flash_bwd_single_pass_keys_gluon", torch.bfloat16, 4, 1024, 64, True)
+    block_m, block_n, num_warps, _ = config
+    assert kernel is flash_gluon.flash_bwd_single_keys_gluon_kernel
+    assert block_m == block_n == 16 * num_warps and warps == num_warps + 2
+    lse_desc, delta_desc, dq_desc = args[6:9]
+    for desc in (lse_desc, delta_desc):
+        assert list(desc.shape) == [4 * 1024 // block_m, block_m] and list(desc.block_shape) == [1, block_m]
+    assert list(dq_desc.shape) == [4 * 1024, 64] and list(dq_desc.block_shape) == [block_m // 2, 64]
+    assert flash_gluon.supported(*(torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16),) * 4, single_pass=True) is False
+
+
 @pytest.mark.gpu
 def test_gluon_kv_pass_declines_what_it_cannot_tile():
     """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass."""

@@ -10,8 +10,8 @@ Every benchmark (attention, flash, leaderboard, model, overhead) builds its call
   flash_triton:V   the ablation variant V of `cs336_systems.flash_ablation.ABLATION_VARIANTS`
   flash_triton_gluon_kv
                    the shipped kernel with the keys-on-rows Gluon dK/dV pass wherever it applies
-                   (`KernelOptions(gluon_kv=True, kv_qrows=False)`; the shipped kernel runs the
-                   queries-on-rows one on large calls)
+                   (`KernelOptions(gluon_kv=True, kv_qrows=False, deterministic=True)`: the two-pass
+                   backward; the shipped kernel runs the queries-on-rows one on large calls)
   sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
                    `F.scaled_dot_product_attention` restricted to one backend
   NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants, the SDPA backends)
@@ -94,7 +94,8 @@ def _flash_triton(setup: Setup) -> Attention:
 def _flash_triton_gluon_kv_class():
     from cs336_systems.flash_triton import KernelOptions, autograd_function
 
-    return autograd_function("FlashGluonKv", KernelOptions(gluon_kv=True, kv_qrows=False))
+    # (deterministic: the two-pass backward, whose dK/dV pass this is; the single pass has its own kernels)
+    return autograd_function("FlashGluonKv", KernelOptions(gluon_kv=True, kv_qrows=False, deterministic=True))
 
 
 def _flash_triton_gluon_kv(setup: Setup) -> Attention:

@@ -10,7 +10,9 @@ SDPA's flash and cuDNN backends in the same process:
                            dq config, then dq configs with the best kv config); -prep: with the
                            delta pre-pass kernel instead of the dQ pass computing delta (fused_prep);
                            -gluon: the keys-on-rows dK/dV pass of cs336_systems/flash_gluon.py (gluon_kv,
-                           kv_qrows=False); -gluon-qrows: its queries-on-rows pass (the shipped one).
+                           kv_qrows=False); -gluon-qrows: its queries-on-rows pass (the shipped one);
+                           with atomic-, -gluon is the keys-on-rows single pass (the shipped one at d 64),
+                           -gluon-qrows the queries-on-rows single pass (single_qrows).
 Backward times are the whole `flash_backward_triton` call (prep + kv [+ dq | cast]).
 Every config is first compiled in parallel worker processes (Triton's on-disk cache), then timed
 with `triton.testing.do_bench` (median) in this process. The best config of each design is checked
@@ -203,7 +205,8 @@ def options(design: str, configs: dict):
         raise ValueError(f"{design}: the queries-on-rows Triton pass was removed after run 15 (commit 4a99fa6 has it)")
     return KernelOptions(autotune=False, tma="tma" in parts, deterministic=parts[0] == "det",
                          fused_prep="prep" not in parts, gluon_kv=gluon and kind == "bwd", kv_qrows="qrows" in parts,
-                         gluon_fwd=gluon and kind == "fwd", configs=tuple(sorted(configs.items())))
+                         single_qrows="qrows" in parts, gluon_fwd=gluon and kind == "fwd",
+                         configs=tuple(sorted(configs.items())))
 
 
 def inputs(seed: int = 0, shape=SHAPE):
