@@ -138,11 +138,22 @@ def _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causal: gl.constexpr):
+    """(q_first, n_vis, total): the query tiles that see the key tile at k_start (causal, top-left: queries from
+    k_start on), per query head and over the GQA group."""
+    if is_causal:
+        q_first = k_start
+    else:
+        q_first = k_start * 0
+    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
+    return q_first, n_vis, KV_GROUP * n_vis
+
+
+@gluon.jit
 def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
     """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V and the first
-    STAGES-1 query tiles on their way. Returns those and (q_first, n_vis, total): the query tiles that see
-    this key tile (causal, top-left: queries from k_start on), per query head and over the group."""
+    STAGES-1 query tiles on their way. Returns those and `_visible_tiles`."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -155,12 +166,7 @@ def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_he
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
+    q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
@@ -634,12 +640,7 @@ def flash_bwd_single_keys_gluon_kernel(
     warps, dq_full[b] / dq_empty[b] between the compute warps and the dQ warp. BLOCK_M = BLOCK_N = 16·num_warps."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
-    if is_causal:
-        q_first = k_start
-    else:
-        q_first = k_start * 0
-    n_vis = gl.maximum(N_QUERIES - q_first, 0) // BLOCK_M
-    total = KV_GROUP * n_vis
+    q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
     # K, V and the dS, dQ buffers as (1, ...) allocations (`_single_keys_tile` indexes them)
