@@ -19,7 +19,7 @@ The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program 
 query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):
 
 - `flash_bwd_kv_qrows_gluon_kernel` (shipped for the two-pass backward: `flash_triton` runs it where
-  `supported(qrows=True)` holds and the call is large): the queries on rows. S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
+  `supported(qrows=True)` holds and the call is large): S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
   (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
   and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop. On the
   H200 it takes 11% off the Triton pass's kernel time at the leaderboard shape and ~20% at d 128 × 65536
@@ -464,8 +464,8 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: the one on the diagonal), in two halves of
     BLOCK_M / 2 queries, and tile t-1's dQ. ds_cur_a, ds_cur_b: the dSᵀ halves of tiles of t's parity; ds_prev_*,
     dq_prev_*: those of t-1's parity (each a separate allocation named statically: the compiler's shared-memory
-    hazard analysis takes any view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns (one in flight
-    across the caller's loop serializes them all, C7515)."""
+    hazard analysis takes any view of an allocation for all of it, and would add barriers). Every wgmma is
+    retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
     HALF: gl.constexpr = BLOCK_M // 2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
@@ -573,9 +573,9 @@ def _single_keys_last_dq(last, ds_a, ds_b, dq_a, dq_b, k_smem, dq_full, dq_empty
 
 @gluon.jit
 def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a, dq0b,
-                         dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                         is_causal: gl.constexpr, num_warps: gl.constexpr):
+                         dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total,
+                         KV_GROUP, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                         STAGES: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr):
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take buffers 0); returns dK (unscaled) and dV."""
     # Sᵀ, dPᵀ of half a tile: (BLOCK_N keys, BLOCK_M / 2 queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
@@ -625,19 +625,27 @@ def flash_bwd_single_keys_gluon_kernel(
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
-    goes there (two buffers) for dQ = dS·K, which needs the whole tile (a warpgroup per 64 queries over all
-    the keys), so it is computed one tile later, after the next tile's barrier. Three partitions
-    (FlashAttention-3's): a loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a
-    dQ warp (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by a TMA bulk
-    reduction; the compute warpgroups (`_single_keys_compute`), per query tile t (`_single_keys_tile`):
-        issue  Sᵀ, dPᵀ
-        the one CTA barrier of the tile: tile t-1's stage goes back to the loader, tile t-2's dQ to the dQ warp
-        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                        (runs under dPᵀ's matmul)
-        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared (buffer of t's parity)
-        issue  dQ of tile t-1, dV += Pᵀ·dO, dK += dSᵀ·Q
-        wait dQ -> shared (fp32 buffer of t-1's parity, once the dQ warp has read it)     wait dV, dK
-    The handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
-    warps, dq_full[b] / dq_empty[b] between the compute warps and the dQ warp. BLOCK_M = BLOCK_N = 16·num_warps."""
+    goes there for dQ = dS·K, which needs the whole tile (a warpgroup per D / 2 columns over all the keys), so
+    it is computed one tile later, after the next tile's barrier. Three partitions (FlashAttention-3's): a
+    loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a dQ warp
+    (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
+    reductions; the compute warpgroups (`_single_keys_compute`, 240 registers), per query tile t
+    (`_single_keys_tile`), in two halves a, b of BLOCK_M / 2 queries:
+        issue  Sᵀ_a, dPᵀ_a
+        the one CTA barrier of the tile: tile t-1's stage goes back to the loader (and through it tile t-2's dQ
+        to the dQ warp)
+        issue  dQ of tile t-1 (two halves)
+        Pᵀ_a = exp2(Sᵀ_a·scale·log2 e - L_a), dSᵀ_a = Pᵀ_a·(dPᵀ_a - delta_a) -> shared  (under dPᵀ_a, dQ)
+        issue  Sᵀ_b, dPᵀ_b, dV += Pᵀ_a·dO_a, dK += dSᵀ_a·Q_a
+        wait dQ -> shared (once the dQ warp has read the buffer)
+        Pᵀ_b, dSᵀ_b -> shared                                                            (under dV, dK of a)
+        issue  dV += Pᵀ_b·dO_b, dK += dSᵀ_b·Q_b;  wait all
+    dS and dQ buffers of tiles of either parity, a half each, are separate shared allocations named statically
+    (two tiles per loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for
+    all of it, and two writes into one allocation between barriers would cost a CTA barrier each. The steady
+    loop runs two CTA barriers per tile (the one above, and one the compiler puts after the mbarrier arrive).
+    Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
+    warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_M = BLOCK_N = 16·num_warps."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
     q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
@@ -675,8 +683,8 @@ def flash_bwd_single_keys_gluon_kernel(
 
     dk, dv = gl.warp_specialize([
         (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a,
-                                dq0b, dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale,
-                                BLOCK_M, BLOCK_N, D, STAGES, is_causal, num_warps)),
+                                dq0b, dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis,
+                                total, KV_GROUP, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, num_warps)),
         (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                                lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
                                q_first, N_QUERIES, BLOCK_M, STAGES)),
