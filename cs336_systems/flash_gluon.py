@@ -1059,8 +1059,10 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
         args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
     else:
         args += (lse, delta)
-    if qrows or single:  # the fp32 dQ accumulator (the single passes; by half tiles with the keys on rows), or dK's
-        dq_rows = block_m if qrows else block_m // 2  # as an untouched stand-in
+    # the fp32 dQ accumulator of the single passes (reduced by half tiles with the keys on rows); the two-pass
+    # queries-on-rows kernel takes dK's descriptor as an untouched stand-in
+    if qrows or single:
+        dq_rows = block_m if qrows else block_m // 2
         args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), dq_rows), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single

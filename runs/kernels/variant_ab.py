@@ -11,8 +11,9 @@ against float64, relative errors of O, dQ, dK, dV: the tests' 2× rule).
 
 `NAME=PATH[:single_pass=BM,BN,W,S]` names a copy and optionally sets the config of its default single pass for
 the whole process (`flash_gluon.SINGLE_PASS_KEYS_CONFIGS[64]` in copies whose default is the keys-on-rows single
-pass, from the twenty-first session on; `SINGLE_PASS_CONFIGS[64]`, the queries-on-rows one, before). Rows carry the copy's name, its path's
-commit (`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
+pass, from the twenty-first session on, whose shared memory takes two stages only; `SINGLE_PASS_CONFIGS[64]`, the
+queries-on-rows one, before, e.g. the three stages above). Rows carry the copy's name, its path's commit
+(`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
 """
 from __future__ import annotations
 
