@@ -84,6 +84,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 REGS_3WG = gl.constexpr(160)
 # registers per thread of the single pass's loader and dQ warps (`_single_keys_loader`, `_single_keys_dq_writer`)
 WORKER_REGS = gl.constexpr(24)
+# queries per part of a tile of the keys-on-rows single pass (the M of a warpgroup's dQ wgmma)
+PART = gl.constexpr(64)
 
 
 @builtin
@@ -422,88 +424,112 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
 
 
 @gluon.jit
-def _single_keys_dq_writer(dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, total, n_vis, first_head, q_first,
-                           N_QUERIES, BLOCK_M: gl.constexpr):
-    """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in buffer u % 2
-    (`dq_full`), two TMA bulk reductions (a half tile each) into the accumulator behind dq_desc; once they have
-    read the buffer, it goes back to the compute warps (`dq_empty`)."""
-    HALF: gl.constexpr = BLOCK_M // 2
+def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
+                           BLOCK_M: gl.constexpr):
+    """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in the buffers of
+    u's parity (x: even, y: odd; `dq_full`), a TMA bulk reduction per part (PART queries) into the accumulator
+    behind dq_desc; once they have read the buffers, they go back to the compute warps (`dq_empty`)."""
     for u in range(total):
         b = u % 2
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
         row = _tile_row(u, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
         if b == 0:
-            _tma_reduce_add(dq_desc, [row, 0], dq0a.index(0))
-            _tma_reduce_add(dq_desc, [row + HALF, 0], dq0b.index(0))
+            _single_keys_reduce(dq_desc, row, x, BLOCK_M)
         else:
-            _tma_reduce_add(dq_desc, [row, 0], dq1a.index(0))
-            _tma_reduce_add(dq_desc, [row + HALF, 0], dq1b.index(0))
+            _single_keys_reduce(dq_desc, row, y, BLOCK_M)
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_empty.index(b))
 
 
 @gluon.jit
-def _single_keys_half(sT, dpT, lse_half, delta_half, ds_half, offs_k, q_start, MASKED: gl.constexpr):
-    """Pᵀ and dSᵀ (in Q's dtype) of one half of a tile (BLOCK_M / 2 queries) from its Sᵀ (scaled by
-    scale·log2 e) and dPᵀ; dSᵀ also stored into the half's dSᵀ buffer."""
-    dtype: gl.constexpr = ds_half.dtype
+def _single_keys_reduce(dq_desc, row, bufs, BLOCK_M: gl.constexpr):
+    """The TMA bulk reductions of one tile's dQ parts (bufs[2], bufs[3]) into rows row.. of the accumulator."""
+    _tma_reduce_add(dq_desc, [row, 0], bufs[2].index(0))
+    if BLOCK_M == 2 * PART:
+        _tma_reduce_add(dq_desc, [row + PART, 0], bufs[3].index(0))
+
+
+@gluon.jit
+def _single_keys_p(sT, lse_part, offs_k, q_start, MASKED: gl.constexpr):
+    """Pᵀ (fp32) of one part of a tile (PART queries) from its Sᵀ (scaled by scale·log2 e)."""
     s_layout: gl.constexpr = sT.type.layout
-    pT = gl.exp2(sT - lse_half.load(s_layout) * LOG2E)
+    pT = gl.exp2(sT - lse_part.load(s_layout) * LOG2E)
     if MASKED:  # query i sees key j iff i >= j
         offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
-    dsT = (pT * (dpT - delta_half.load(s_layout))).to(dtype)
-    ds_half.store(dsT)
+    return pT
+
+
+@gluon.jit
+def _single_keys_ds(pT, dpT, delta_part, ds_part):
+    """dSᵀ = Pᵀ·(dPᵀ - delta) of one part of a tile in Q's dtype, also stored into the part's dSᵀ buffer; and Pᵀ in
+    Q's dtype."""
+    dtype: gl.constexpr = ds_part.dtype
+    dsT = (pT * (dpT - delta_part.load(dpT.type.layout))).to(dtype)
+    ds_part.store(dsT)
     return pT.to(dtype), dsT
 
 
 @gluon.jit
-def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_cur_a, ds_cur_b, ds_prev_a,
-                      ds_prev_b, dq_prev_a, dq_prev_b, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
-                      qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: the one on the diagonal), in two halves of
-    BLOCK_M / 2 queries, and tile t-1's dQ. ds_cur_a, ds_cur_b: the dSᵀ halves of tiles of t's parity; ds_prev_*,
-    dq_prev_*: those of t-1's parity (each a separate allocation named statically: the compiler's shared-memory
-    hazard analysis takes any view of an allocation for all of it, and would add barriers). Every wgmma is
-    retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
-    HALF: gl.constexpr = BLOCK_M // 2
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, cur, prev, ready, empty,
+                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ.
+    cur: the buffers of tiles of t's parity, prev: those of t-1's, each (dSᵀ of part a, of part b, dQ of part a,
+    of part b), a separate allocation named statically (the compiler's shared-memory hazard analysis takes any
+    view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns (one in
+    flight across the caller's loop serializes them all, C7515)."""
     # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
     # descriptors are then computed in the loop instead of hoisted out of it (where ~50 of them were spilled).
     z = t // 1073741824
-    k_smem = k_smem.index(z)
-    v_smem = v_smem.index(z)
-    ds_cur_a = ds_cur_a.index(z)
-    ds_cur_b = ds_cur_b.index(z)
-    ds_prev_a = ds_prev_a.index(z)
-    ds_prev_b = ds_prev_b.index(z)
-    dq_prev_a = dq_prev_a.index(z)
-    dq_prev_b = dq_prev_b.index(z)
     s = t % STAGES + z  # (likewise: in the loop of tile pairs, t % STAGES is invariant)
     q_start = q_first + (t % n_vis) * BLOCK_M
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    q_a = q_smem.index(s).slice(0, HALF)
-    q_b = q_smem.index(s).slice(HALF, HALF)
-    do_a = do_smem.index(s).slice(0, HALF)
-    do_b = do_smem.index(s).slice(HALF, HALF)
-    lse_s = lse_smem.index(s)
-    delta_s = delta_smem.index(s)
-    sT = warpgroup_mma(k_smem, q_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_smem, do_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    # The one barrier of the tile: every warpgroup is past tile t-1 (its stage goes back to the loader warp; its
-    # dSᵀ and tile t-2's dQ are stored and fenced).
+    if BLOCK_M == 2 * PART:
+        dk, dv = _single_keys_halves(t, dk, dv, q_smem.index(s), do_smem.index(s), k_smem.index(z), v_smem.index(z),
+                                     lse_smem.index(s), delta_smem.index(s), cur[0].index(z), cur[1].index(z),
+                                     prev[0].index(z), prev[1].index(z), prev[2].index(z), prev[3].index(z), empty,
+                                     dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES, MASKED)
+    else:
+        dk, dv = _single_keys_whole(t, dk, dv, q_smem.index(s), do_smem.index(s), k_smem.index(z), v_smem.index(z),
+                                    lse_smem.index(s), delta_smem.index(s), cur[0].index(z), prev[0].index(z),
+                                    prev[2].index(z), empty, dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale,
+                                    STAGES, MASKED)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
+    """The one barrier of a tile: every warpgroup is past tile t-1 (its stage goes back to the loader warp; its dSᵀ
+    and tile t-2's dQ are stored and fenced)."""
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t >= 1)
-    # tile t-1's dQ = dS·K, a half (BLOCK_M / 2 queries, each warpgroup D / 2 columns) from each dSᵀ half
+
+
+@gluon.jit
+def _single_keys_halves(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur_a, ds_cur_b, ds_prev_a,
+                        ds_prev_b, dq_prev_a, dq_prev_b, empty, dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale,
+                        STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """A tile of two parts a, b (d 64): the second part's Sᵀ, dPᵀ are issued with the first's dV, dK, so that its
+    exponentials run under them; tile t-1's dQ (a part from each dSᵀ buffer) under the first part's."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    q_a = q_t.slice(0, PART)
+    q_b = q_t.slice(PART, PART)
+    do_a = do_t.slice(0, PART)
+    do_b = do_t.slice(PART, PART)
+    sT = warpgroup_mma(k_smem, q_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem, do_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _single_keys_barrier(t, empty, STAGES)
+    # tile t-1's dQ = dS·K, a part (PART queries, each warpgroup D / 2 columns) from each dSᵀ buffer
     dq_a = warpgroup_mma(ds_prev_a.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
     dq_b = warpgroup_mma(ds_prev_b.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    # first half: Pᵀ, dSᵀ under dPᵀ's and dQ's matmuls
+    # first part: Pᵀ, dSᵀ under dPᵀ's and dQ's matmuls
     sT = warpgroup_mma_wait(3, deps=(sT, ))
     dpT = warpgroup_mma_wait(2, deps=(dpT, ))
-    p_a, ds_a = _single_keys_half(sT * qk_scale, dpT, lse_s.slice(0, HALF, dim=1), delta_s.slice(0, HALF, dim=1),
-                                  ds_cur_a, offs_k, q_start, MASKED)
-    # the second half's Sᵀ, dPᵀ, then the first half's dV, dK (Pᵀ, dSᵀ from registers): the second half's
+    p_a = _single_keys_p(sT * qk_scale, lse_t.slice(0, PART, dim=1), offs_k, q_start, MASKED)
+    p_a, ds_a = _single_keys_ds(p_a, dpT, delta_t.slice(0, PART, dim=1), ds_cur_a)
+    # the second part's Sᵀ, dPᵀ, then the first part's dV, dK (Pᵀ, dSᵀ from registers): the second part's
     # exponentials run under them
     sT = warpgroup_mma(k_smem, q_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v_smem, do_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -518,8 +544,8 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
         dq_prev_b.store(dq_b)
     sT = warpgroup_mma_wait(3, deps=(sT, ))
     dpT = warpgroup_mma_wait(2, deps=(dpT, ))
-    p_b, ds_b = _single_keys_half(sT * qk_scale, dpT, lse_s.slice(HALF, HALF, dim=1),
-                                  delta_s.slice(HALF, HALF, dim=1), ds_cur_b, offs_k, q_start + HALF, MASKED)
+    p_b = _single_keys_p(sT * qk_scale, lse_t.slice(PART, PART, dim=1), offs_k, q_start + PART, MASKED)
+    p_b, ds_b = _single_keys_ds(p_b, dpT, delta_t.slice(PART, PART, dim=1), ds_cur_b)
     p_b = gl.convert_layout(p_b, a_layout)
     ds_b = gl.convert_layout(ds_b, a_layout)
     dv = warpgroup_mma(p_b, do_b, dv, is_async=True)
@@ -529,67 +555,118 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
 
 
 @gluon.jit
-def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb, ds_ya,
-                     ds_yb, dq_xa, dq_xb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first,
-                     qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
-    """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y; under
-    causal masking the first is the diagonal tile."""
-    dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb,
-                               ds_ya, ds_yb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                               q_first, qk_scale, BLOCK_M, STAGES, is_causal)
-    for i in range((n_vis - 1) // 2):
-        t = t0 + 1 + 2 * i
-        dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_ya, ds_yb,
-                                   ds_xa, ds_xb, dq_xa, dq_xb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                   q_first, qk_scale, BLOCK_M, STAGES, False)
-        dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_xa, ds_xb,
-                                   ds_ya, ds_yb, dq_ya, dq_yb, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                   q_first, qk_scale, BLOCK_M, STAGES, False)
-    if (n_vis - 1) % 2 == 1:
-        dk, dv = _single_keys_tile(t0 + n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                   ds_ya, ds_yb, ds_xa, ds_xb, dq_xa, dq_xb, ready, empty, dq_empty, offs_k, zero_s,
-                                   zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES, False)
+def _single_keys_whole(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur, ds_prev, dq_prev, empty,
+                       dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES: gl.constexpr,
+                       MASKED: gl.constexpr):
+    """A tile of one part (d 128, where dK and dV take 128 registers per thread): Pᵀ under dPᵀ's matmul, tile
+    t-1's dQ issued after dV and dK (in flight with Sᵀ and dPᵀ it needed more registers than there are)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    sT = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _single_keys_barrier(t, empty, STAGES)
+    sT = warpgroup_mma_wait(1, deps=(sT, ))
+    pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
+    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
+    pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
+    pT = gl.convert_layout(pT, a_layout)
+    dsT = gl.convert_layout(dsT, a_layout)
+    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
+    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+    dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
+    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
+        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+        dq_prev.store(dq)
     return dk, dv
 
 
 @gluon.jit
-def _single_keys_last_dq(last, ds_a, ds_b, dq_a, dq_b, k_smem, dq_full, dq_empty, zero_dq, STAGES: gl.constexpr):
-    """After the last tile: the dQ of the tiles the loader warp did not announce to the dQ warp, then the last
-    tile's dQ."""
+def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """Unmasked tiles t_first .. t_first+n-1, two per iteration: those of t_first's parity take the buffers x, the
+    others y."""
+    for i in range(n // 2):
+        t = t_first + 2 * i
+        dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
+                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                   STAGES, False)
+        dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
+                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                   STAGES, False)
+    if n % 2 == 1:
+        dk, dv = _single_keys_tile(t_first + n - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                   x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                   BLOCK_M, STAGES, False)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                     dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
+    """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y. Under
+    causal masking the first BLOCK_N / BLOCK_M tiles (1 or 2) are on the diagonal (with two, n_vis is even:
+    `supported` takes query lengths in whole BLOCK_N)."""
+    dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                               dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+    if is_causal and BLOCK_N == 2 * BLOCK_M:
+        dk, dv = _single_keys_tile(t0 + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
+                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                   STAGES, True)
+        dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                   x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                   BLOCK_M, STAGES)
+    else:
+        dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                   y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                   BLOCK_M, STAGES)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """After the last tile (its buffers bufs): the dQ of the tiles the loader warp did not announce to the dQ warp,
+    then the last tile's dQ."""
     fence_async_shared()
     gl.thread_barrier()
     for u in range(gl.maximum(last - STAGES, 0), last):
         mbarrier.arrive(dq_full.index(u % 2))
-    dqa = warpgroup_mma(ds_a.index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
-    dqb = warpgroup_mma(ds_b.index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
-    dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
+    dqa = warpgroup_mma(bufs[0].index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
+    if BLOCK_M == 2 * PART:
+        dqb = warpgroup_mma(bufs[1].index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
+        dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
+    else:
+        dqa = warpgroup_mma_wait(0, deps=(dqa, ))
     mbarrier.wait(dq_empty.index(last % 2), ((last // 2) & 1) ^ 1)
-    dq_a.index(0).store(dqa)
-    dq_b.index(0).store(dqb)
+    bufs[2].index(0).store(dqa)
+    if BLOCK_M == 2 * PART:
+        bufs[3].index(0).store(dqb)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(last % 2))
 
 
 @gluon.jit
-def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a, dq0b,
-                         dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis, total,
-                         KV_GROUP, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                         STAGES: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr):
+def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
+                         dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
+                         num_warps: gl.constexpr):
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
-    named statically (tiles of even t take buffers 0); returns dK (unscaled) and dV."""
-    # Sᵀ, dPᵀ of half a tile: (BLOCK_N keys, BLOCK_M / 2 queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
-    # dQ of half a tile: (BLOCK_M / 2, D), a warpgroup per D / 2 columns
+    named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
+    # Sᵀ, dPᵀ of a part: (BLOCK_N keys, PART queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
+    # dQ of a part: (PART, D), a warpgroup per D / 2 columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M // 2, 16])
+                                                       instr_shape=[16, PART, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // 2, 2],
                                                         instr_shape=[16, D // 2, 16])
     qk_scale = scale * LOG2E
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M // 2], gl.float32, s_layout)
-    zero_dq = gl.zeros([BLOCK_M // 2, D], gl.float32, dq_layout)
+    zero_s = gl.zeros([BLOCK_N, PART], gl.float32, s_layout)
+    zero_dq = gl.zeros([PART, D], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -598,17 +675,17 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
             t0 = g * n_vis
             if t0 % 2 == 0:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                          ds0a, ds0b, ds1a, ds1b, dq0a, dq0b, dq1a, dq1b, ready, empty, dq_empty,
-                                          offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+                                          x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal)
             else:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                          ds1a, ds1b, ds0a, ds0b, dq1a, dq1b, dq0a, dq0b, ready, empty, dq_empty,
-                                          offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
+                                          y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal)
         last = total - 1
         if last % 2 == 0:
-            _single_keys_last_dq(last, ds0a, ds0b, dq0a, dq0b, k_smem, dq_full, dq_empty, zero_dq, STAGES)
+            _single_keys_last_dq(last, x, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES)
         else:
-            _single_keys_last_dq(last, ds1a, ds1b, dq1a, dq1b, k_smem, dq_full, dq_empty, zero_dq, STAGES)
+            _single_keys_last_dq(last, y, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES)
     return dk, dv
 
 
@@ -630,22 +707,28 @@ def flash_bwd_single_keys_gluon_kernel(
     loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a dQ warp
     (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
     reductions; the compute warpgroups (`_single_keys_compute`, 240 registers), per query tile t
-    (`_single_keys_tile`), in two halves a, b of BLOCK_M / 2 queries:
+    (`_single_keys_tile`). At d 64 (BLOCK_M = 128) a tile goes in two parts a, b of PART queries
+    (`_single_keys_halves`):
         issue  Sᵀ_a, dPᵀ_a
         the one CTA barrier of the tile: tile t-1's stage goes back to the loader (and through it tile t-2's dQ
         to the dQ warp)
-        issue  dQ of tile t-1 (two halves)
+        issue  dQ of tile t-1 (two parts)
         Pᵀ_a = exp2(Sᵀ_a·scale·log2 e - L_a), dSᵀ_a = Pᵀ_a·(dPᵀ_a - delta_a) -> shared  (under dPᵀ_a, dQ)
         issue  Sᵀ_b, dPᵀ_b, dV += Pᵀ_a·dO_a, dK += dSᵀ_a·Q_a
         wait dQ -> shared (once the dQ warp has read the buffer)
         Pᵀ_b, dSᵀ_b -> shared                                                            (under dV, dK of a)
         issue  dV += Pᵀ_b·dO_b, dK += dSᵀ_b·Q_b;  wait all
-    dS and dQ buffers of tiles of either parity, a half each, are separate shared allocations named statically
+    At d 128 (BLOCK_M = PART: dK and dV take 128 registers per thread, and shared memory holds no larger tile)
+    a tile goes whole (`_single_keys_whole`): issue Sᵀ, dPᵀ; the barrier; issue tile t-1's dQ; Pᵀ under dPᵀ
+    and dQ; dQ -> shared; dSᵀ -> shared; issue dV, dK; wait all. Its key tile spans two query tiles of the
+    diagonal.
+    dS and dQ buffers of tiles of either parity, a part each, are separate shared allocations named statically
     (two tiles per loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for
     all of it, and two writes into one allocation between barriers would cost a CTA barrier each. The steady
     loop runs two CTA barriers per tile (the one above, and one the compiler puts after the mbarrier arrive).
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
-    warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_M = BLOCK_N = 16·num_warps."""
+    warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128, BLOCK_M = 2·PART
+    or PART."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
     q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
@@ -658,16 +741,20 @@ def flash_bwd_single_keys_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
-    # dSᵀ and dQ of a tile by halves (BLOCK_M / 2 queries each), two tiles' worth (by the tile's parity)
-    # (each a separate allocation: see `_single_keys_tile`)
-    ds0a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds0b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds1a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
-    ds1b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M // 2], ds_layout)
-    dq0a = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
-    dq0b = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
-    dq1a = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
-    dq1b = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M // 2, D], dq_desc.layout)
+    # dSᵀ and dQ of a tile by parts (PART queries each), two tiles' worth (x: even tiles, y: odd), each a separate
+    # allocation (see `_single_keys_tile`): (dSᵀ a, dSᵀ b, dQ a, dQ b), b standing for a where a tile is one part
+    ds0a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout)
+    ds1a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout)
+    dq0a = gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout)
+    dq1a = gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout)
+    if BLOCK_M == 2 * PART:
+        x = (ds0a, gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout), dq0a,
+             gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout))
+        y = (ds1a, gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout), dq1a,
+             gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout))
+    else:
+        x = (ds0a, ds0a, dq0a, dq0a)
+        y = (ds1a, ds1a, dq1a, dq1a)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -682,14 +769,14 @@ def flash_bwd_single_keys_gluon_kernel(
     mbarrier.init(kv_bar, count=1)
 
     dk, dv = gl.warp_specialize([
-        (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds0a, ds0b, ds1a, ds1b, dq0a,
-                                dq0b, dq1a, dq1b, ready, empty, dq_full, dq_empty, kv_bar, k_start, q_first, n_vis,
-                                total, KV_GROUP, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal, num_warps)),
+        (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
+                                dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M, BLOCK_N,
+                                D, STAGES, is_causal, num_warps)),
         (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                                lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
                                q_first, N_QUERIES, BLOCK_M, STAGES)),
-        (_single_keys_dq_writer, (dq_desc, dq0a, dq0b, dq1a, dq1b, dq_full, dq_empty, total, n_vis, first_head,
-                                  q_first, N_QUERIES, BLOCK_M)),
+        (_single_keys_dq_writer, (dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
+                                  BLOCK_M)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(empty.index(i))
@@ -907,8 +994,9 @@ QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
 SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
 # the shipped single pass, keys on rows (`flash_bwd_single_keys_gluon_kernel`): FlashAttention-3's d-64 tile of
-# 128 keys × 128 queries, two compute warpgroups (its shared memory, 226 KiB, leaves no room for a third stage)
-SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2)}
+# 128 keys × 128 queries, two compute warpgroups (its shared memory, 226 KiB, leaves no room for a third stage);
+# at d 128, 128 keys × 64 queries (FlashAttention-3's d-128 tile; 226 KiB again)
+SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
@@ -941,12 +1029,13 @@ def _configs(qrows: bool, single_pass: bool) -> dict:
 def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, config=None,
               qrows: bool = False, single_pass: bool = False) -> bool:
     """Whether `kv_pass` (with `qrows`; with a dQ accumulator if `single_pass`) takes these (B, H, S, D)
-    tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the single pass d 64), contiguous, whole
-    tiles."""
+    tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the queries-on-rows single pass d 64),
+    contiguous, whole tiles (for the keys-on-rows single pass, queries in whole BLOCK_N as well: a causal key
+    tile then sees an even number of BLOCK_M query tiles, as its loop takes them)."""
     d = q4.shape[-1]
     configs = _configs(qrows, single_pass)
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
-    if q4.shape[2] % block_m or k4.shape[2] % block_n:
+    if q4.shape[2] % block_m or k4.shape[2] % block_n or (single_pass and not qrows and q4.shape[2] % block_n):
         return False
     return _takes((q4, k4, v4, do4), d, configs)
 
@@ -1047,9 +1136,12 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
     block_m, block_n, warps, stages = config or _configs(qrows, single)[d]
-    if (qrows or single) and not block_m == block_n == 16 * warps:
-        raise ValueError(f"the queries-on-rows dK/dV pass and the single passes take BLOCK_M = BLOCK_N = "
+    if qrows and not block_m == block_n == 16 * warps:
+        raise ValueError(f"the queries-on-rows dK/dV pass and its single pass take BLOCK_M = BLOCK_N = "
                          f"16·num_warps (a warpgroup per 64 rows), got {config}")
+    if single and not qrows and not (block_n == 16 * warps == 128 and block_m in (PART, 2 * PART)):
+        raise ValueError(f"the keys-on-rows single pass takes BLOCK_N = 16·num_warps = 128 (two warpgroups of 64 "
+                         f"keys) and BLOCK_M = {PART.value} or {2 * PART.value}, got {config}")
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)
@@ -1059,10 +1151,10 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
         args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
     else:
         args += (lse, delta)
-    # the fp32 dQ accumulator of the single passes (reduced by half tiles with the keys on rows); the two-pass
+    # the fp32 dQ accumulator of the single passes (reduced by parts of PART queries with the keys on rows); the two-pass
     # queries-on-rows kernel takes dK's descriptor as an untouched stand-in
     if qrows or single:
-        dq_rows = block_m if qrows else block_m // 2
+        dq_rows = block_m if qrows else PART.value
         args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), dq_rows), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single

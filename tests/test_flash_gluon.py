@@ -21,6 +21,7 @@ CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype)
     "fp16_fewer_queries": (1, 4, 4, 1024, 2048, 64, torch.float16),
     "more_queries": (1, 4, 4, 2048, 1024, 64, torch.bfloat16),
     "d128": (1, 2, 2, 2048, 2048, 128, torch.bfloat16),
+    "d128_gqa_fewer_queries": (1, 4, 2, 1024, 2048, 128, torch.bfloat16),
 }
 
 
@@ -95,27 +96,41 @@ def test_gluon_kv_qrows_rejects_mismatched_tiles():
         flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, (64, 128, 4, 2), qrows=True)
 
 
-def test_gluon_single_pass_keys_launch_plan():
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_single_pass_keys_launch_plan(d):
     """The keys-on-rows single pass's launch, built on the CPU (not run): its kernel, its warps (two compute
     warpgroups, a loader warp, a dQ warp), L and delta as one row of BLOCK_M values per query tile for the loader's
-    TMA, dQ's accumulator reduced in half tiles."""
+    TMA, dQ's accumulator reduced in parts of PART queries (two per tile at d 64, one at d 128)."""
     from cs336_systems import flash_gluon
 
     kernel, args, constexprs, warps, config = flash_gluon.example_launch(
-        "flash_bwd_single_pass_keys_gluon", torch.bfloat16, 4, 1024, 64, True)
+        "flash_bwd_single_pass_keys_gluon", torch.bfloat16, 4, 1024, d, True)
     block_m, block_n, num_warps, _ = config
     assert kernel is flash_gluon.flash_bwd_single_keys_gluon_kernel
-    assert block_m == block_n == 16 * num_warps and warps == num_warps + 2
+    assert block_n == 16 * num_warps == 128 and block_m == (128 if d == 64 else 64) and warps == num_warps + 2
     lse_desc, delta_desc, dq_desc = args[6:9]
     for desc in (lse_desc, delta_desc):
         assert list(desc.shape) == [4 * 1024 // block_m, block_m] and list(desc.block_shape) == [1, block_m]
-    assert list(dq_desc.shape) == [4 * 1024, 64] and list(dq_desc.block_shape) == [block_m // 2, 64]
-    assert flash_gluon.supported(*(torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16),) * 4, single_pass=True) is False
+    assert list(dq_desc.shape) == [4 * 1024, d] and list(dq_desc.block_shape) == [64, d]
+    assert flash_gluon.supported(*(torch.empty(1, 4, 1024, d, dtype=torch.bfloat16),) * 4, single_pass=True) is False
+
+
+def test_gluon_single_pass_keys_rejects_other_tiles():
+    """Its tiles are fixed by its two warpgroups of 64 keys and its parts of 64 queries: anything else is refused
+    before anything is built or launched."""
+    from cs336_systems import flash_gluon
+
+    x = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 256)
+    for config in ((128, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2)):
+        with pytest.raises(ValueError, match="BLOCK_N = 16·num_warps = 128"):
+            flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, config, dq_acc=torch.empty(2, 256, 128))
 
 
 @pytest.mark.gpu
 def test_gluon_kv_pass_declines_what_it_cannot_tile():
-    """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass."""
+    """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass (or, for the
+    single pass, the two-pass design)."""
     from cs336_systems import flash_gluon
 
     q, k, v, do = (randn_cuda(1, 2, 1024, 64, seed=60 + i, dtype=torch.bfloat16) for i in range(4))
@@ -124,6 +139,11 @@ def test_gluon_kv_pass_declines_what_it_cannot_tile():
     assert not flash_gluon.supported(*(t[..., :32].contiguous() for t in (q, k, v, do)))
     assert not flash_gluon.supported(*(t.float() for t in (q, k, v, do)))
     assert not flash_gluon.supported(q, k, v, do.transpose(1, 2).contiguous().transpose(1, 2))
+    # the keys-on-rows single pass at d 128 (64 queries × 128 keys): query lengths in whole key tiles only
+    q, k = (randn_cuda(1, 2, 1024, 128, seed=64 + i, dtype=torch.bfloat16) for i in range(2))
+    assert flash_gluon.supported(q, k, k, q, single_pass=True)
+    q = q[:, :, :960].contiguous()  # 15 query tiles of 64
+    assert flash_gluon.supported(q, k, k, q) and not flash_gluon.supported(q, k, k, q, single_pass=True)
 
 
 @pytest.mark.gpu
