@@ -1,5 +1,6 @@
 """Kernels in Gluon for Hopper (sm_90a): the forward, the dK/dV pass and the single-pass backwards (shipped
-for large calls: the forward, the keys-on-rows single pass at d 64, the queries-on-rows dK/dV pass otherwise).
+for large calls: the forward, the keys-on-rows single pass at d 64 and 128, the queries-on-rows dK/dV pass for
+the deterministic two-pass backward).
 
 The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule: a producer warp, two or
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
@@ -8,12 +9,13 @@ the kernel). `flash_triton` runs it by default where `fwd_supported` holds and t
 (`flash_triton.GLUON_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
 the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
 
-The single pass at d 64 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton` runs
-it where `supported(single_pass=True)` holds and the call is large) is FlashAttention-3's d-64 backward: the keys
-on rows, two compute warpgroups split along the keys so that P and dS stay in registers for dV and dK, dS to
-shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel). On the H200
-it takes 5.7% off the backward of the queries-on-rows single pass below at the leaderboard shape (NOTES.md,
-session 21).
+The single pass at d 64 and 128 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton`
+runs it where `supported(single_pass=True)` holds and the call is large) is FlashAttention-3's d-64 backward: the
+keys on rows, two compute warpgroups split along the keys so that P and dS stay in registers for dV and dK, dS to
+shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel); at d 128 with
+FlashAttention-3's d-128 tile, 64 queries × 128 keys. On the H200 it takes 5.7% off the backward of the
+queries-on-rows single pass below at the leaderboard shape (NOTES.md, session 21), and 19% off the two-pass
+backward at d 128 × 65536 (session 22).
 
 The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every
 query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):

@@ -1,7 +1,7 @@
 """FlashAttention-2 in Triton: forward, backward (atomic-dQ single pass or deterministic two-pass), ops.
 
 (On sm_90, large calls run Gluon kernels of `flash_gluon` instead: the forward, and for the backward the
-single pass at d 64 (the default, `KernelOptions.deterministic=None`) or the two-pass design's dK/dV pass;
+single pass at d 64 and 128 (the default, `KernelOptions.deterministic=None`) or the two-pass design's dK/dV pass;
 the launchers below choose, by `KernelOptions`.)
 
 Layout, top-down:
@@ -850,7 +850,8 @@ class KernelOptions:
     # The Gluon single pass (deterministic None/False) with the queries on rows as well
     # (flash_gluon.flash_bwd_kv_qrows_gluon_kernel with DQ_ATOMIC; shipped until session 20). False: the keys on
     # rows, P and dS in registers (flash_gluon.flash_bwd_single_keys_gluon_kernel, FlashAttention-3's d-64
-    # backward; 5.7% less backward time at the leaderboard shape on the H200, NOTES.md session 21).
+    # backward; 5.7% less backward time at the leaderboard shape on the H200, NOTES.md session 21; at d 128 it
+    # takes 19% off the two-pass backward, session 22, where the queries-on-rows single pass does not run).
     single_qrows: bool = False
     # The forward in Gluon (flash_gluon.flash_fwd_gluon_kernel: a producer warp and two or three consumer
     # warpgroups taking turns, FlashAttention-3's schedule): None where it applies (sm_90, 16-bit, d 64/128,
@@ -1762,7 +1763,8 @@ def flash_attention(
     TF32). `deterministic`: True runs the two-pass backward (bitwise repeatable), False the single pass
     (dQ added in fp32 by TMA reductions or atomics), None (default) follows
     `torch.are_deterministic_algorithms_enabled()`: the two-pass backward when it is on, else the faster
-    of the two for the call (the single pass for large d-64 calls on sm_90, `KernelOptions.deterministic`).
+    of the two for the call (the single pass for large d-64 and d-128 calls on sm_90,
+    `KernelOptions.deterministic`).
     """
     return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic)
 
