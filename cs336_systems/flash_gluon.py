@@ -560,25 +560,42 @@ def _single_keys_halves(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds
 def _single_keys_whole(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur, ds_prev, dq_prev, empty,
                        dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES: gl.constexpr,
                        MASKED: gl.constexpr):
-    """A tile of one part (d 128, where dK and dV take 128 registers per thread): Pᵀ under dPᵀ's matmul, tile
-    t-1's dQ issued after dV and dK (in flight with Sᵀ and dPᵀ it needed more registers than there are)."""
+    """A tile of one part (d 128, where dK and dV take 128 registers per thread; at d 64 a config of BLOCK_M = PART):
+    Pᵀ under dPᵀ's matmul. Tile t-1's dQ is issued after dV and dK at d 128 (in flight with Sᵀ and dPᵀ it needed
+    more registers than there are), at d 64 with Sᵀ and dPᵀ, so that it runs under the exponentials."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    DQ_EARLY: gl.constexpr = k_smem.shape[1] <= 64
     sT = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _single_keys_barrier(t, empty, STAGES)
-    sT = warpgroup_mma_wait(1, deps=(sT, ))
-    pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
-    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-    pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
-    pT = gl.convert_layout(pT, a_layout)
-    dsT = gl.convert_layout(dsT, a_layout)
-    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
-    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
-    dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
-    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
-        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
-        dq_prev.store(dq)
+    if DQ_EARLY:
+        dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(2, deps=(sT, ))
+        pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
+        dpT, dq = warpgroup_mma_wait(0, deps=(dpT, dq))
+        if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
+            mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+            dq_prev.store(dq)
+        pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
+        pT = gl.convert_layout(pT, a_layout)
+        dsT = gl.convert_layout(dsT, a_layout)
+        dv = warpgroup_mma(pT, do_t, dv, is_async=True)
+        dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+        dk, dv, pT, dsT = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT))
+    else:
+        sT = warpgroup_mma_wait(1, deps=(sT, ))
+        pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
+        dpT = warpgroup_mma_wait(0, deps=(dpT, ))
+        pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
+        pT = gl.convert_layout(pT, a_layout)
+        dsT = gl.convert_layout(dsT, a_layout)
+        dv = warpgroup_mma(pT, do_t, dv, is_async=True)
+        dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+        dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
+        if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
+            mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+            dq_prev.store(dq)
     return dk, dv
 
 
