@@ -560,42 +560,25 @@ def _single_keys_halves(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds
 def _single_keys_whole(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur, ds_prev, dq_prev, empty,
                        dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES: gl.constexpr,
                        MASKED: gl.constexpr):
-    """A tile of one part (d 128, where dK and dV take 128 registers per thread; at d 64 a config of BLOCK_M = PART):
-    Pᵀ under dPᵀ's matmul. Tile t-1's dQ is issued after dV and dK at d 128 (in flight with Sᵀ and dPᵀ it needed
-    more registers than there are), at d 64 with Sᵀ and dPᵀ, so that it runs under the exponentials."""
+    """A tile of one part (d 128, where dK and dV take 128 registers per thread): Pᵀ under dPᵀ's matmul, tile
+    t-1's dQ issued after dV and dK (in flight with Sᵀ and dPᵀ it needed more registers than there are)."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    DQ_EARLY: gl.constexpr = k_smem.shape[1] <= 64
     sT = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _single_keys_barrier(t, empty, STAGES)
-    if DQ_EARLY:
-        dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-        sT = warpgroup_mma_wait(2, deps=(sT, ))
-        pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
-        dpT, dq = warpgroup_mma_wait(0, deps=(dpT, dq))
-        if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
-            mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
-            dq_prev.store(dq)
-        pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
-        pT = gl.convert_layout(pT, a_layout)
-        dsT = gl.convert_layout(dsT, a_layout)
-        dv = warpgroup_mma(pT, do_t, dv, is_async=True)
-        dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
-        dk, dv, pT, dsT = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT))
-    else:
-        sT = warpgroup_mma_wait(1, deps=(sT, ))
-        pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
-        dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-        pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
-        pT = gl.convert_layout(pT, a_layout)
-        dsT = gl.convert_layout(dsT, a_layout)
-        dv = warpgroup_mma(pT, do_t, dv, is_async=True)
-        dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
-        dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-        dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
-        if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
-            mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
-            dq_prev.store(dq)
+    sT = warpgroup_mma_wait(1, deps=(sT, ))
+    pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
+    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
+    pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
+    pT = gl.convert_layout(pT, a_layout)
+    dsT = gl.convert_layout(dsT, a_layout)
+    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
+    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+    dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
+    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
+        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+        dq_prev.store(dq)
     return dk, dv
 
 
@@ -1158,9 +1141,11 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass and its single pass take BLOCK_M = BLOCK_N = "
                          f"16·num_warps (a warpgroup per 64 rows), got {config}")
-    if single and not qrows and not (block_n == 16 * warps == 128 and block_m in (PART, 2 * PART)):
+    if single and not qrows and not (block_n == 16 * warps == 128 and block_m in (PART, 2 * PART) and stages == 2):
+        # (its dQ handoff counts on two stages: with more, the loader warp's last announcements come after the
+        # compute warps' wait for them, and the kernel hangs)
         raise ValueError(f"the keys-on-rows single pass takes BLOCK_N = 16·num_warps = 128 (two warpgroups of 64 "
-                         f"keys) and BLOCK_M = {PART.value} or {2 * PART.value}, got {config}")
+                         f"keys), BLOCK_M = {PART.value} or {2 * PART.value} and 2 stages, got {config}")
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)

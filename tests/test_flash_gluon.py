@@ -116,13 +116,13 @@ def test_gluon_single_pass_keys_launch_plan(d):
 
 
 def test_gluon_single_pass_keys_rejects_other_tiles():
-    """Its tiles are fixed by its two warpgroups of 64 keys and its parts of 64 queries: anything else is refused
-    before anything is built or launched."""
+    """Its tiles are fixed by its two warpgroups of 64 keys and its parts of 64 queries, its stages by its dQ
+    handoff (with three the kernel would hang): anything else is refused before anything is built or launched."""
     from cs336_systems import flash_gluon
 
     x = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 256)
-    for config in ((128, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2)):
+    for config in ((128, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)):
         with pytest.raises(ValueError, match="BLOCK_N = 16·num_warps = 128"):
             flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, config, dq_acc=torch.empty(2, 256, 128))
 
