@@ -452,6 +452,12 @@ def _single_keys_reduce(dq_desc, row, bufs, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _single_keys_dq_free(dq_empty, u):
+    """Wait until dQ buffer u % 2 is free for tile u: the dQ warp's reductions of tile u-2 have read it."""
+    mbarrier.wait(dq_empty.index(u % 2), ((u // 2) & 1) ^ 1)
+
+
+@gluon.jit
 def _single_keys_p(sT, lse_part, offs_k, q_start, MASKED: gl.constexpr):
     """Pᵀ (fp32) of one part of a tile (PART queries) from its Sᵀ (scaled by scale·log2 e)."""
     s_layout: gl.constexpr = sT.type.layout
@@ -540,8 +546,8 @@ def _single_keys_halves(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds
     dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
     dk = warpgroup_mma(ds_a, q_a, dk, is_async=True)
     dq_a, dq_b = warpgroup_mma_wait(4, deps=(dq_a, dq_b))
-    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reductions of tile t-3 have read it
-        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+    if t >= 1:  # into buffer (t-1) % 2
+        _single_keys_dq_free(dq_empty, t - 1)
         dq_prev_a.store(dq_a)
         dq_prev_b.store(dq_b)
     sT = warpgroup_mma_wait(3, deps=(sT, ))
@@ -576,8 +582,8 @@ def _single_keys_whole(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_
     dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
     dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
     dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
-    if t >= 1:  # into buffer (t-1) % 2, once the dQ warp's reduction of tile t-3 has read it
-        mbarrier.wait(dq_empty.index((t - 1) % 2), (((t - 1) // 2) & 1) ^ 1)
+    if t >= 1:  # into buffer (t-1) % 2
+        _single_keys_dq_free(dq_empty, t - 1)
         dq_prev.store(dq)
     return dk, dv
 
@@ -641,7 +647,7 @@ def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M
         dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
     else:
         dqa = warpgroup_mma_wait(0, deps=(dqa, ))
-    mbarrier.wait(dq_empty.index(last % 2), ((last // 2) & 1) ^ 1)
+    _single_keys_dq_free(dq_empty, last)
     bufs[2].index(0).store(dqa)
     if BLOCK_M == 2 * PART:
         bufs[3].index(0).store(dqb)
@@ -1155,8 +1161,8 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
         args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
     else:
         args += (lse, delta)
-    # the fp32 dQ accumulator of the single passes (reduced by parts of PART queries with the keys on rows); the two-pass
-    # queries-on-rows kernel takes dK's descriptor as an untouched stand-in
+    # the fp32 dQ accumulator of the single passes (reduced by parts of PART queries with the keys on rows); the
+    # two-pass queries-on-rows kernel takes dK's descriptor as an untouched stand-in
     if qrows or single:
         dq_rows = block_m if qrows else PART.value
         args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), dq_rows), )
