@@ -76,7 +76,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernel_launch import CLaunch
@@ -89,7 +88,6 @@ REGS_3WG = gl.constexpr(160)
 WORKER_REGS = gl.constexpr(24)
 # queries per part of a tile of the keys-on-rows single pass (the M of a warpgroup's dQ wgmma)
 PART = gl.constexpr(64)
-WARPGROUP_THREADS = gl.constexpr(128)
 
 
 @builtin
@@ -99,15 +97,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _arrive_each(bar):
-    """Every thread of the calling partition arrives on `bar` by itself (initialized with a count of all of them):
-    `cp.async.mbarrier.arrive.noinc`, which arrives once the thread's earlier cp.async copies are done (these kernels
-    issue none, so at once). Gluon's `mbarrier.arrive` is one elected thread's arrive, lowered with a barrier of the
-    whole partition before and after it (NOTES.md, session 23); this one needs neither."""
-    async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -519,13 +508,11 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
 
 @gluon.jit
 def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
-    """The one barrier of a tile: every warpgroup is past tile t-1 (its dSᵀ and tile t-2's dQ are stored and fenced,
-    for tile t-1's dQ matmul and, through the loader warp, the dQ warp); then each thread gives tile t-1's stage
-    back to the loader warp (`_arrive_each`, counted over all compute threads)."""
+    """The one barrier of a tile: every warpgroup is past tile t-1 (its stage goes back to the loader warp; its dSᵀ
+    and tile t-2's dQ are stored and fenced)."""
     fence_async_shared()
     gl.thread_barrier()
-    if t >= 1:
-        _arrive_each(empty.index((t + STAGES - 1) % STAGES))
+    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t >= 1)
 
 
 @gluon.jit
@@ -783,7 +770,7 @@ def flash_bwd_single_keys_gluon_kernel(
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=num_warps * 32)  # every compute thread (`_single_keys_barrier`)
+        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
@@ -864,7 +851,7 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr, q_row, l_row,
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
                   q_start, n_tiles, N_QUERIES, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, is_causal: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
     """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored past N_QUERIES)."""
@@ -887,18 +874,18 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
     if ROLE == WARPGROUPS - 1:
-        _arrive_each(turns[0])  # warpgroup 0 issues first
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
 
     # key tile 0: S only (there is no P·V before it)
-    mbarrier.wait(turns[ROLE], 0)
+    mbarrier.wait(turn.index(ROLE), 0)
     mbarrier.wait(ready_k.index(0), 0)
     sc = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    _arrive_each(turns[(ROLE + 1) % WARPGROUPS])
+    mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
-    _arrive_each(empty_k.index(0))
+    mbarrier.arrive(empty_k.index(0))
     p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    mbarrier.wait(turns[ROLE], 1, pred=n_tiles > 1)
+    mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
         s = j % STAGES
         sp = (j - 1) % STAGES
@@ -906,23 +893,23 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
         o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
-        _arrive_each(turns[(ROLE + 1) % WARPGROUPS])
+        mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
-        _arrive_each(empty_k.index(s))  # K_j read
+        mbarrier.arrive(empty_k.index(s))  # K_j read
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
         # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
-        mbarrier.wait(turns[ROLE], (j + 1) & 1, pred=j + 1 < n_tiles)
+        mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
         o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-        _arrive_each(empty_v.index(sp))  # V_{j-1} read
+        mbarrier.arrive(empty_v.index(sp))  # V_{j-1} read
         o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     sl = (n_tiles - 1) % STAGES
     mbarrier.wait(ready_v.index(sl), ((n_tiles - 1) // STAGES) & 1)
     o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-    _arrive_each(empty_v.index(sl))
+    mbarrier.arrive(empty_v.index(sl))
 
     if first < N_QUERIES:  # (the last query tile's rows past N_QUERIES belong to the next head or to none)
         o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
@@ -968,27 +955,22 @@ def flash_fwd_gluon_kernel(
     ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # a turn barrier per warpgroup, each its own allocation: the compiler's shared-memory hazard analysis would take
-    # a warpgroup's wait on its turn and its arrive on the next one's as a conflict in one allocation (a barrier)
-    turns = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
-             gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()))
-    if WARPGROUPS == 3:
-        turns = turns + (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()), )
+    turn = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_k.index(i), count=1)
         mbarrier.init(ready_v.index(i), count=1)
-        mbarrier.init(empty_k.index(i), count=WARPGROUPS * WARPGROUP_THREADS)  # every consumer thread
-        mbarrier.init(empty_v.index(i), count=WARPGROUPS * WARPGROUP_THREADS)
+        mbarrier.init(empty_k.index(i), count=WARPGROUPS)
+        mbarrier.init(empty_v.index(i), count=WARPGROUPS)
     for i in gl.static_range(WARPGROUPS):
-        mbarrier.init(turns[i], count=WARPGROUP_THREADS)  # every thread of the warpgroup before
+        mbarrier.init(turn.index(i), count=1)
 
     if WARPGROUPS == 2:
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr,
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                              q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
                              WARPGROUPS, 0)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr,
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                              q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
                              WARPGROUPS, 1)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
@@ -996,13 +978,13 @@ def flash_fwd_gluon_kernel(
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr,
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                              q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
                              WARPGROUPS, 0)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr,
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                              q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
                              WARPGROUPS, 1)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turns, L_ptr,
+            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                              q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
                              WARPGROUPS, 2)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
