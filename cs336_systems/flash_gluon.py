@@ -86,8 +86,6 @@ LN2 = gl.constexpr(0.6931471805599453)
 REGS_3WG = gl.constexpr(160)
 # registers per thread of the single pass's loader and dQ warps (`_single_keys_loader`, `_single_keys_dq_writer`)
 WORKER_REGS = gl.constexpr(24)
-# queries per part of a tile of the keys-on-rows single pass (the M of a warpgroup's dQ wgmma)
-PART = gl.constexpr(64)
 
 
 @builtin
@@ -428,27 +426,19 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
 @gluon.jit
 def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
                            BLOCK_M: gl.constexpr):
-    """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in the buffers of
-    u's parity (x: even, y: odd; `dq_full`), a TMA bulk reduction per part (PART queries) into the accumulator
-    behind dq_desc; once they have read the buffers, they go back to the compute warps (`dq_empty`)."""
+    """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in the buffer of u's
+    parity (x: even, y: odd; `dq_full`), a TMA bulk reduction into the accumulator behind dq_desc; once it has read
+    the buffer, the buffer goes back to the compute warps (`dq_empty`)."""
     for u in range(total):
         b = u % 2
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
         row = _tile_row(u, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
         if b == 0:
-            _single_keys_reduce(dq_desc, row, x, BLOCK_M)
+            _tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
         else:
-            _single_keys_reduce(dq_desc, row, y, BLOCK_M)
+            _tma_reduce_add(dq_desc, [row, 0], y[1].index(0))
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_empty.index(b))
-
-
-@gluon.jit
-def _single_keys_reduce(dq_desc, row, bufs, BLOCK_M: gl.constexpr):
-    """The TMA bulk reductions of one tile's dQ parts (bufs[2], bufs[3]) into rows row.. of the accumulator."""
-    _tma_reduce_add(dq_desc, [row, 0], bufs[2].index(0))
-    if BLOCK_M == 2 * PART:
-        _tma_reduce_add(dq_desc, [row + PART, 0], bufs[3].index(0))
 
 
 @gluon.jit
@@ -458,10 +448,10 @@ def _single_keys_dq_free(dq_empty, u):
 
 
 @gluon.jit
-def _single_keys_p(sT, lse_part, offs_k, q_start, MASKED: gl.constexpr):
-    """Pᵀ (fp32) of one part of a tile (PART queries) from its Sᵀ (scaled by scale·log2 e)."""
+def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr):
+    """Pᵀ (fp32) of a tile from its Sᵀ (scaled by scale·log2 e)."""
     s_layout: gl.constexpr = sT.type.layout
-    pT = gl.exp2(sT - lse_part.load(s_layout) * LOG2E)
+    pT = gl.exp2(sT - lse_t.load(s_layout) * LOG2E)
     if MASKED:  # query i sees key j iff i >= j
         offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
@@ -469,12 +459,11 @@ def _single_keys_p(sT, lse_part, offs_k, q_start, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _single_keys_ds(pT, dpT, delta_part, ds_part):
-    """dSᵀ = Pᵀ·(dPᵀ - delta) of one part of a tile in Q's dtype, also stored into the part's dSᵀ buffer; and Pᵀ in
-    Q's dtype."""
-    dtype: gl.constexpr = ds_part.dtype
-    dsT = (pT * (dpT - delta_part.load(dpT.type.layout))).to(dtype)
-    ds_part.store(dsT)
+def _single_keys_ds(pT, dpT, delta_t, ds_smem):
+    """dSᵀ = Pᵀ·(dPᵀ - delta) of a tile in Q's dtype, also stored into its dSᵀ buffer; and Pᵀ in Q's dtype."""
+    dtype: gl.constexpr = ds_smem.dtype
+    dsT = (pT * (dpT - delta_t.load(dpT.type.layout))).to(dtype)
+    ds_smem.store(dsT)
     return pT.to(dtype), dsT
 
 
@@ -482,27 +471,37 @@ def _single_keys_ds(pT, dpT, delta_part, ds_part):
 def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, cur, prev, ready, empty,
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ.
-    cur: the buffers of tiles of t's parity, prev: those of t-1's, each (dSᵀ of part a, of part b, dQ of part a,
-    of part b), a separate allocation named statically (the compiler's shared-memory hazard analysis takes any
-    view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns (one in
-    flight across the caller's loop serializes them all, C7515)."""
+    """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ (issued
+    after dV and dK: in flight with Sᵀ and dPᵀ it needs more registers than there are). cur: the buffers of tiles of
+    t's parity, prev: those of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's
+    shared-memory hazard analysis takes any view of an allocation for all of it, and would add barriers). Every
+    wgmma is retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
     # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
     # descriptors are then computed in the loop instead of hoisted out of it (where ~50 of them were spilled).
     z = t // 1073741824
     s = t % STAGES + z  # (likewise: in the loop of tile pairs, t % STAGES is invariant)
     q_start = q_first + (t % n_vis) * BLOCK_M
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    q_t = q_smem.index(s)
+    do_t = do_smem.index(s)
+    k_t = k_smem.index(z)
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    if BLOCK_M == 2 * PART:
-        dk, dv = _single_keys_halves(t, dk, dv, q_smem.index(s), do_smem.index(s), k_smem.index(z), v_smem.index(z),
-                                     lse_smem.index(s), delta_smem.index(s), cur[0].index(z), cur[1].index(z),
-                                     prev[0].index(z), prev[1].index(z), prev[2].index(z), prev[3].index(z), empty,
-                                     dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES, MASKED)
-    else:
-        dk, dv = _single_keys_whole(t, dk, dv, q_smem.index(s), do_smem.index(s), k_smem.index(z), v_smem.index(z),
-                                    lse_smem.index(s), delta_smem.index(s), cur[0].index(z), prev[0].index(z),
-                                    prev[2].index(z), empty, dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale,
-                                    STAGES, MASKED)
+    sT = warpgroup_mma(k_t, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_smem.index(z), do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _single_keys_barrier(t, empty, STAGES)
+    sT = warpgroup_mma_wait(1, deps=(sT, ))
+    pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED)
+    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
+    pT, dsT = _single_keys_ds(pT, dpT, delta_smem.index(s), cur[0].index(z))
+    pT = gl.convert_layout(pT, a_layout)
+    dsT = gl.convert_layout(dsT, a_layout)
+    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
+    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+    dq = warpgroup_mma(prev[0].index(z).permute((1, 0)), k_t, zero_dq, use_acc=False, is_async=True)
+    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
+    if t >= 1:  # into buffer (t-1) % 2
+        _single_keys_dq_free(dq_empty, t - 1)
+        prev[1].index(z).store(dq)
     return dk, dv
 
 
@@ -513,79 +512,6 @@ def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t >= 1)
-
-
-@gluon.jit
-def _single_keys_halves(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur_a, ds_cur_b, ds_prev_a,
-                        ds_prev_b, dq_prev_a, dq_prev_b, empty, dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale,
-                        STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """A tile of two parts a, b (d 64): the second part's Sᵀ, dPᵀ are issued with the first's dV, dK, so that its
-    exponentials run under them; tile t-1's dQ (a part from each dSᵀ buffer) under the first part's."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    q_a = q_t.slice(0, PART)
-    q_b = q_t.slice(PART, PART)
-    do_a = do_t.slice(0, PART)
-    do_b = do_t.slice(PART, PART)
-    sT = warpgroup_mma(k_smem, q_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_smem, do_a.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    _single_keys_barrier(t, empty, STAGES)
-    # tile t-1's dQ = dS·K, a part (PART queries, each warpgroup D / 2 columns) from each dSᵀ buffer
-    dq_a = warpgroup_mma(ds_prev_a.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dq_b = warpgroup_mma(ds_prev_b.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    # first part: Pᵀ, dSᵀ under dPᵀ's and dQ's matmuls
-    sT = warpgroup_mma_wait(3, deps=(sT, ))
-    dpT = warpgroup_mma_wait(2, deps=(dpT, ))
-    p_a = _single_keys_p(sT * qk_scale, lse_t.slice(0, PART, dim=1), offs_k, q_start, MASKED)
-    p_a, ds_a = _single_keys_ds(p_a, dpT, delta_t.slice(0, PART, dim=1), ds_cur_a)
-    # the second part's Sᵀ, dPᵀ, then the first part's dV, dK (Pᵀ, dSᵀ from registers): the second part's
-    # exponentials run under them
-    sT = warpgroup_mma(k_smem, q_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_smem, do_b.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    p_a = gl.convert_layout(p_a, a_layout)
-    ds_a = gl.convert_layout(ds_a, a_layout)
-    dv = warpgroup_mma(p_a, do_a, dv, is_async=True)
-    dk = warpgroup_mma(ds_a, q_a, dk, is_async=True)
-    dq_a, dq_b = warpgroup_mma_wait(4, deps=(dq_a, dq_b))
-    if t >= 1:  # into buffer (t-1) % 2
-        _single_keys_dq_free(dq_empty, t - 1)
-        dq_prev_a.store(dq_a)
-        dq_prev_b.store(dq_b)
-    sT = warpgroup_mma_wait(3, deps=(sT, ))
-    dpT = warpgroup_mma_wait(2, deps=(dpT, ))
-    p_b = _single_keys_p(sT * qk_scale, lse_t.slice(PART, PART, dim=1), offs_k, q_start + PART, MASKED)
-    p_b, ds_b = _single_keys_ds(p_b, dpT, delta_t.slice(PART, PART, dim=1), ds_cur_b)
-    p_b = gl.convert_layout(p_b, a_layout)
-    ds_b = gl.convert_layout(ds_b, a_layout)
-    dv = warpgroup_mma(p_b, do_b, dv, is_async=True)
-    dk = warpgroup_mma(ds_b, q_b, dk, is_async=True)
-    dk, dv, p_a, ds_a, p_b, ds_b = warpgroup_mma_wait(0, deps=(dk, dv, p_a, ds_a, p_b, ds_b))
-    return dk, dv
-
-
-@gluon.jit
-def _single_keys_whole(t, dk, dv, q_t, do_t, k_smem, v_smem, lse_t, delta_t, ds_cur, ds_prev, dq_prev, empty,
-                       dq_empty, offs_k, zero_s, zero_dq, q_start, qk_scale, STAGES: gl.constexpr,
-                       MASKED: gl.constexpr):
-    """A tile of one part (d 128, where dK and dV take 128 registers per thread): Pᵀ under dPᵀ's matmul, tile
-    t-1's dQ issued after dV and dK (in flight with Sᵀ and dPᵀ it needed more registers than there are)."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    sT = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    _single_keys_barrier(t, empty, STAGES)
-    sT = warpgroup_mma_wait(1, deps=(sT, ))
-    pT = _single_keys_p(sT * qk_scale, lse_t, offs_k, q_start, MASKED)
-    dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-    pT, dsT = _single_keys_ds(pT, dpT, delta_t, ds_cur)
-    pT = gl.convert_layout(pT, a_layout)
-    dsT = gl.convert_layout(dsT, a_layout)
-    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
-    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
-    dq = warpgroup_mma(ds_prev.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
-    if t >= 1:  # into buffer (t-1) % 2
-        _single_keys_dq_free(dq_empty, t - 1)
-        dq_prev.store(dq)
-    return dk, dv
 
 
 @gluon.jit
@@ -633,24 +559,17 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
 
 
 @gluon.jit
-def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr):
+def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, STAGES: gl.constexpr):
     """After the last tile (its buffers bufs): the dQ of the tiles the loader warp did not announce to the dQ warp,
     then the last tile's dQ."""
     fence_async_shared()
     gl.thread_barrier()
     for u in range(gl.maximum(last - STAGES, 0), last):
         mbarrier.arrive(dq_full.index(u % 2))
-    dqa = warpgroup_mma(bufs[0].index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
-    if BLOCK_M == 2 * PART:
-        dqb = warpgroup_mma(bufs[1].index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
-        dqa, dqb = warpgroup_mma_wait(0, deps=(dqa, dqb))
-    else:
-        dqa = warpgroup_mma_wait(0, deps=(dqa, ))
+    dq = warpgroup_mma(bufs[0].index(0).permute((1, 0)), k_smem.index(0), zero_dq, use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
     _single_keys_dq_free(dq_empty, last)
-    bufs[2].index(0).store(dqa)
-    if BLOCK_M == 2 * PART:
-        bufs[3].index(0).store(dqb)
+    bufs[1].index(0).store(dq)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(last % 2))
@@ -663,18 +582,18 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                          num_warps: gl.constexpr):
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
-    # Sᵀ, dPᵀ of a part: (BLOCK_N keys, PART queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
-    # dQ of a part: (PART, D), a warpgroup per D / 2 columns
+    # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
+    # dQ: (BLOCK_M, D), a warpgroup per D / 2 columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, PART, 16])
+                                                       instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // 2, 2],
                                                         instr_shape=[16, D // 2, 16])
     qk_scale = scale * LOG2E
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    zero_s = gl.zeros([BLOCK_N, PART], gl.float32, s_layout)
-    zero_dq = gl.zeros([PART, D], gl.float32, dq_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -691,9 +610,9 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                                           BLOCK_M, BLOCK_N, STAGES, is_causal)
         last = total - 1
         if last % 2 == 0:
-            _single_keys_last_dq(last, x, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES)
+            _single_keys_last_dq(last, x, k_smem, dq_full, dq_empty, zero_dq, STAGES)
         else:
-            _single_keys_last_dq(last, y, k_smem, dq_full, dq_empty, zero_dq, BLOCK_M, STAGES)
+            _single_keys_last_dq(last, y, k_smem, dq_full, dq_empty, zero_dq, STAGES)
     return dk, dv
 
 
@@ -715,28 +634,24 @@ def flash_bwd_single_keys_gluon_kernel(
     loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a dQ warp
     (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
     reductions; the compute warpgroups (`_single_keys_compute`, 240 registers), per query tile t
-    (`_single_keys_tile`). At d 64 (BLOCK_M = 128) a tile goes in two parts a, b of PART queries
-    (`_single_keys_halves`):
-        issue  Sᵀ_a, dPᵀ_a
+    (`_single_keys_tile`), a whole tile at once (BLOCK_M = 128 queries at d 64, FlashAttention-4's sm90 tile; 64
+    at d 128, where dK and dV take 128 registers per thread and shared memory holds no larger tile):
+        issue  Sᵀ, dPᵀ
         the one CTA barrier of the tile: tile t-1's stage goes back to the loader (and through it tile t-2's dQ
         to the dQ warp)
-        issue  dQ of tile t-1 (two parts)
-        Pᵀ_a = exp2(Sᵀ_a·scale·log2 e - L_a), dSᵀ_a = Pᵀ_a·(dPᵀ_a - delta_a) -> shared  (under dPᵀ_a, dQ)
-        issue  Sᵀ_b, dPᵀ_b, dV += Pᵀ_a·dO_a, dK += dSᵀ_a·Q_a
-        wait dQ -> shared (once the dQ warp has read the buffer)
-        Pᵀ_b, dSᵀ_b -> shared                                                            (under dV, dK of a)
-        issue  dV += Pᵀ_b·dO_b, dK += dSᵀ_b·Q_b;  wait all
-    At d 128 (BLOCK_M = PART: dK and dV take 128 registers per thread, and shared memory holds no larger tile)
-    a tile goes whole (`_single_keys_whole`): issue Sᵀ, dPᵀ; the barrier; issue tile t-1's dQ; Pᵀ under dPᵀ
-    and dQ; dQ -> shared; dSᵀ -> shared; issue dV, dK; wait all. Its key tile spans two query tiles of the
-    diagonal.
-    dS and dQ buffers of tiles of either parity, a part each, are separate shared allocations named statically
-    (two tiles per loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for
-    all of it, and two writes into one allocation between barriers would cost a CTA barrier each. The steady
-    loop runs two CTA barriers per tile (the one above, and one the compiler puts after the mbarrier arrive).
+        Pᵀ = exp2(Sᵀ·scale·log2 e - L)                                       (under dPᵀ; the exponentials of one
+        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared                                      warpgroup under the other's matmuls)
+        issue  dV += Pᵀ·dO, dK += dSᵀ·Q, dQ of tile t-1 = dS·K;  wait all
+        dQ -> shared (once the dQ warp has read the buffer)
+    (Two parts of 64 queries per d-64 tile, the second's exponentials under the first's dV and dK, cost 3% more
+    backward time on the H200: NOTES.md, session 23.) Under causal masking the d-128 key tile spans two query
+    tiles of the diagonal.
+    dS and dQ buffers of tiles of either parity are separate shared allocations named statically (two tiles per
+    loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for all of it, and two
+    writes into one allocation between barriers would cost a CTA barrier each. The steady loop runs two CTA
+    barriers per tile (the one above, and one the compiler puts after the mbarrier arrive; NOTES.md, session 23).
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
-    warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128, BLOCK_M = 2·PART
-    or PART."""
+    warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
     q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
@@ -749,20 +664,13 @@ def flash_bwd_single_keys_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
-    # dSᵀ and dQ of a tile by parts (PART queries each), two tiles' worth (x: even tiles, y: odd), each a separate
-    # allocation (see `_single_keys_tile`): (dSᵀ a, dSᵀ b, dQ a, dQ b), b standing for a where a tile is one part
-    ds0a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout)
-    ds1a = gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout)
-    dq0a = gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout)
-    dq1a = gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout)
-    if BLOCK_M == 2 * PART:
-        x = (ds0a, gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout), dq0a,
-             gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout))
-        y = (ds1a, gl.allocate_shared_memory(dtype, [1, BLOCK_N, PART], ds_layout), dq1a,
-             gl.allocate_shared_memory(gl.float32, [1, PART, D], dq_desc.layout))
-    else:
-        x = (ds0a, ds0a, dq0a, dq0a)
-        y = (ds1a, ds1a, dq1a, dq1a)
+    # dSᵀ and dQ of two tiles (x: even tiles, y: odd), each a separate allocation (see `_single_keys_tile`)
+    ds0 = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+    ds1 = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+    dq0 = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, D], dq_desc.layout)
+    dq1 = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, D], dq_desc.layout)
+    x = (ds0, dq0)
+    y = (ds1, dq1)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1147,11 +1055,11 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass and its single pass take BLOCK_M = BLOCK_N = "
                          f"16·num_warps (a warpgroup per 64 rows), got {config}")
-    if single and not qrows and not (block_n == 16 * warps == 128 and block_m in (PART, 2 * PART) and stages == 2):
+    if single and not qrows and not (block_n == 16 * warps == 128 and block_m in (64, 128) and stages == 2):
         # (its dQ handoff counts on two stages: with more, the loader warp's last announcements come after the
         # compute warps' wait for them, and the kernel hangs)
         raise ValueError(f"the keys-on-rows single pass takes BLOCK_N = 16·num_warps = 128 (two warpgroups of 64 "
-                         f"keys), BLOCK_M = {PART.value} or {2 * PART.value} and 2 stages, got {config}")
+                         f"keys), BLOCK_M = 64 or 128 and 2 stages, got {config}")
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     grid = (batch * kv_heads, n_k // block_n, 1)
@@ -1161,11 +1069,10 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
         args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
     else:
         args += (lse, delta)
-    # the fp32 dQ accumulator of the single passes (reduced by parts of PART queries with the keys on rows); the
-    # two-pass queries-on-rows kernel takes dK's descriptor as an untouched stand-in
+    # the fp32 dQ accumulator of the single passes (reduced a query tile at a time); the two-pass queries-on-rows
+    # kernel takes dK's descriptor as an untouched stand-in
     if qrows or single:
-        dq_rows = block_m if qrows else PART.value
-        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), dq_rows), )
+        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps

@@ -100,7 +100,7 @@ def test_gluon_kv_qrows_rejects_mismatched_tiles():
 def test_gluon_single_pass_keys_launch_plan(d):
     """The keys-on-rows single pass's launch, built on the CPU (not run): its kernel, its warps (two compute
     warpgroups, a loader warp, a dQ warp), L and delta as one row of BLOCK_M values per query tile for the loader's
-    TMA, dQ's accumulator reduced in parts of PART queries (two per tile at d 64, one at d 128)."""
+    TMA, dQ's accumulator reduced a whole query tile at a time."""
     from cs336_systems import flash_gluon
 
     kernel, args, constexprs, warps, config = flash_gluon.example_launch(
@@ -111,13 +111,13 @@ def test_gluon_single_pass_keys_launch_plan(d):
     lse_desc, delta_desc, dq_desc = args[6:9]
     for desc in (lse_desc, delta_desc):
         assert list(desc.shape) == [4 * 1024 // block_m, block_m] and list(desc.block_shape) == [1, block_m]
-    assert list(dq_desc.shape) == [4 * 1024, d] and list(dq_desc.block_shape) == [64, d]
+    assert list(dq_desc.shape) == [4 * 1024, d] and list(dq_desc.block_shape) == [block_m, d]
     assert flash_gluon.supported(*(torch.empty(1, 4, 1024, d, dtype=torch.bfloat16),) * 4, single_pass=True) is False
 
 
 def test_gluon_single_pass_keys_rejects_other_tiles():
-    """Its tiles are fixed by its two warpgroups of 64 keys and its parts of 64 queries, its stages by its dQ
-    handoff (with three the kernel would hang): anything else is refused before anything is built or launched."""
+    """Its tiles are fixed by its two warpgroups of 64 keys (and 64 or 128 queries), its stages by its dQ handoff
+    (with three the kernel would hang): anything else is refused before anything is built or launched."""
     from cs336_systems import flash_gluon
 
     x = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
