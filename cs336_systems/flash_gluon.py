@@ -12,10 +12,11 @@ the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
 The single pass at d 64 and 128 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton`
 runs it where `supported(single_pass=True)` holds and the call is large) is FlashAttention-3's d-64 backward: the
 keys on rows, two compute warpgroups split along the keys so that P and dS stay in registers for dV and dK, dS to
-shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel); at d 128 with
-FlashAttention-3's d-128 tile, 64 queries × 128 keys. On the H200 it takes 5.7% off the backward of the
-queries-on-rows single pass below at the leaderboard shape (NOTES.md, session 21), and 19% off the two-pass
-backward at d 128 × 65536 (session 22).
+shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel); a tile of 128
+keys × 128 queries at d 64, taken whole (FlashAttention-4's sm90 tile), and FlashAttention-3's d-128 tile, 64 queries
+× 128 keys, at d 128. On the H200 it takes 5.7% off the backward of the queries-on-rows single pass below at the
+leaderboard shape (NOTES.md, session 21; 3.4% more with the whole tile, session 23), and 19% off the two-pass backward
+at d 128 × 65536 (session 22).
 
 The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every
 query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):
