@@ -9,10 +9,11 @@ against float64, relative errors of O, dQ, dK, dV: the tests' 2× rule).
     python3 runs/kernels/variant_ab.py --copy A=/path/to/a --copy B=/path/to/b \
         --copy B3=/path/to/b:single_pass=128,128,8,3 --rounds 3 --out $OUT/ab.jsonl
 
-`NAME=PATH[:single_pass=BM,BN,W,S]` names a copy and optionally sets the config of its default single pass for
-the whole process (`flash_gluon.SINGLE_PASS_KEYS_CONFIGS[64]` in copies whose default is the keys-on-rows single
-pass, from the twenty-first session on, whose shared memory takes two stages only; `SINGLE_PASS_CONFIGS[64]`, the
-queries-on-rows one, before, e.g. the three stages above). Rows carry the copy's name, its path's commit
+`NAME=PATH[:single_pass=BM,BN,W,S]` names a copy and optionally sets the config of its default single pass at the
+shape's head dim for the whole process (`flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d]` in copies whose default is the
+keys-on-rows single pass, from the twenty-first session on, whose shared memory takes two stages only;
+`SINGLE_PASS_CONFIGS[d]`, the queries-on-rows one, before, e.g. the three stages above; until this session's fix
+the override always went to d 64: a d-128 A/B would have ignored it; no recorded row did so). Rows carry the copy's name, its path's commit
 (`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
 """
 from __future__ import annotations
@@ -34,13 +35,13 @@ def worker(spec: dict) -> dict:
     from cs336_systems import flash_attention, flash_gluon
     from cs336_systems.bench import impls
 
+    b, h, n, d = spec["shape"]
     if spec.get("single_pass"):
         from cs336_systems.flash_triton import KernelOptions
 
         keys = not getattr(KernelOptions(), "single_qrows", True)  # (the option came with the keys-on-rows kernel)
-        (flash_gluon.SINGLE_PASS_KEYS_CONFIGS if keys else flash_gluon.SINGLE_PASS_CONFIGS)[64] = tuple(
+        (flash_gluon.SINGLE_PASS_KEYS_CONFIGS if keys else flash_gluon.SINGLE_PASS_CONFIGS)[d] = tuple(
             spec["single_pass"])
-    b, h, n, d = spec["shape"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
     for t in (q, k, v):
