@@ -12,9 +12,9 @@ against float64, relative errors of O, dQ, dK, dV: the tests' 2× rule).
 `NAME=PATH[:single_pass=BM,BN,W,S]` names a copy and optionally sets the config of its default single pass at the
 shape's head dim for the whole process (`flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d]` in copies whose default is the
 keys-on-rows single pass, from the twenty-first session on, whose shared memory takes two stages only;
-`SINGLE_PASS_CONFIGS[d]`, the queries-on-rows one, before, e.g. the three stages above; until this session's fix
-the override always went to d 64: a d-128 A/B would have ignored it; no recorded row did so). Rows carry the copy's name, its path's commit
-(`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
+`SINGLE_PASS_CONFIGS[d]`, the queries-on-rows one, before, e.g. the three stages above; until session 23 the
+override always went to d 64: a d-128 A/B would have ignored it; no recorded row did so). Rows carry the copy's
+name, its path's commit (`CS336_BENCH_COMMIT` of the copy if given as PATH@COMMIT) and the round.
 """
 from __future__ import annotations
 
