@@ -584,13 +584,16 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
-    # dQ: (BLOCK_M, D), a warpgroup per D / 2 columns
+    # dQ: (BLOCK_M, D), a warpgroup per 64 queries where BLOCK_M has one for each (d 64: m64n64 wgmmas, whose
+    # operands are 4 KiB of shared memory per 2·64·64·16 FLOP), else per D / 2 columns (d 128, BLOCK_M = 64)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // 2, 2],
-                                                        instr_shape=[16, D // 2, 16])
+    DQ_WARPS_M: gl.constexpr = num_warps if BLOCK_M == 16 * num_warps else num_warps // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                        warps_per_cta=[DQ_WARPS_M, num_warps // DQ_WARPS_M],
+                                                        instr_shape=[16, D * DQ_WARPS_M // num_warps, 16])
     qk_scale = scale * LOG2E
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
