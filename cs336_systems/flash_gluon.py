@@ -633,7 +633,8 @@ def flash_bwd_single_keys_gluon_kernel(
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
-    goes there for dQ = dS·K, which needs the whole tile (a warpgroup per D / 2 columns over all the keys), so
+    goes there for dQ = dS·K, which needs all the tile's keys (a warpgroup per 64 queries at d 64, per D / 2
+    columns at d 128), so
     it is computed one tile later, after the next tile's barrier. Three partitions (FlashAttention-3's): a
     loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a dQ warp
     (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
