@@ -584,8 +584,8 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
-    # dQ: (BLOCK_M, D), a warpgroup per 64 queries where BLOCK_M has one for each (d 64: m64n64 wgmmas, whose
-    # operands are 4 KiB of shared memory per 2·64·64·16 FLOP), else per D / 2 columns (d 128, BLOCK_M = 64)
+    # dQ: (BLOCK_M, D), a warpgroup per 64 queries where BLOCK_M has 64 per warpgroup (d 64: m64n64 wgmmas, 4 KiB
+    # of shared-memory operands per 2·64·64·16 FLOP), else a warpgroup per D / 2 columns (d 128, BLOCK_M = 64)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -634,10 +634,9 @@ def flash_bwd_single_keys_gluon_kernel(
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
     goes there for dQ = dS·K, which needs all the tile's keys (a warpgroup per 64 queries at d 64, per D / 2
-    columns at d 128), so
-    it is computed one tile later, after the next tile's barrier. Three partitions (FlashAttention-3's): a
-    loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a dQ warp
-    (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
+    columns at d 128), so it is computed one tile later, after the next tile's barrier. Three partitions
+    (FlashAttention-3's): a loader warp (`_single_keys_loader`) streams Q, dO, L and delta through a TMA ring; a
+    dQ warp (`_single_keys_dq_writer`) adds each tile's fp32 dQ into the accumulator behind dq_desc by TMA bulk
     reductions; the compute warpgroups (`_single_keys_compute`, 240 registers), per query tile t
     (`_single_keys_tile`), a whole tile at once (BLOCK_M = 128 queries at d 64, FlashAttention-4's sm90 tile; 64
     at d 128, where dK and dV take 128 registers per thread and shared memory holds no larger tile):
