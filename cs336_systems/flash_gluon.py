@@ -460,11 +460,9 @@ def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _single_keys_ds(pT, dpT, delta_t, ds_smem):
-    """dSᵀ = Pᵀ·(dPᵀ - delta) of a tile in Q's dtype, also stored into its dSᵀ buffer; and Pᵀ in Q's dtype."""
-    dtype: gl.constexpr = ds_smem.dtype
+def _single_keys_ds(pT, dpT, delta_t, dtype: gl.constexpr):
+    """dSᵀ = Pᵀ·(dPᵀ - delta) of a tile, and Pᵀ, in Q's dtype."""
     dsT = (pT * (dpT - delta_t.load(dpT.type.layout))).to(dtype)
-    ds_smem.store(dsT)
     return pT.to(dtype), dsT
 
 
@@ -473,10 +471,11 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, MASKED: gl.constexpr):
     """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ (issued
-    after dV and dK: in flight with Sᵀ and dPᵀ it needs more registers than there are). cur: the buffers of tiles of
-    t's parity, prev: those of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's
-    shared-memory hazard analysis takes any view of an allocation for all of it, and would add barriers). Every
-    wgmma is retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
+    with dV and dK, not with Sᵀ and dPᵀ: that needs more registers than there are; first of the three, so that its
+    fp32 store and this tile's dSᵀ store run under dV and dK). cur: the buffers of tiles of t's parity, prev: those
+    of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's shared-memory hazard analysis
+    takes any view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns
+    (one in flight across the caller's loop serializes them all, C7515)."""
     # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
     # descriptors are then computed in the loop instead of hoisted out of it (where ~50 of them were spilled).
     z = t // 1073741824
@@ -493,16 +492,20 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     sT = warpgroup_mma_wait(1, deps=(sT, ))
     pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED)
     dpT = warpgroup_mma_wait(0, deps=(dpT, ))
-    pT, dsT = _single_keys_ds(pT, dpT, delta_smem.index(s), cur[0].index(z))
-    pT = gl.convert_layout(pT, a_layout)
-    dsT = gl.convert_layout(dsT, a_layout)
-    dv = warpgroup_mma(pT, do_t, dv, is_async=True)
-    dk = warpgroup_mma(dsT, q_t, dk, is_async=True)
+    pT, dsT = _single_keys_ds(pT, dpT, delta_smem.index(s), q_t.dtype)
+    pT_a = gl.convert_layout(pT, a_layout)
+    dsT_a = gl.convert_layout(dsT, a_layout)
+    # dQ of tile t-1 first, so that its wait comes before dV's and dK's: the stores of this tile's dSᵀ and of that dQ
+    # run under dV and dK instead of after all three
     dq = warpgroup_mma(prev[0].index(z).permute((1, 0)), k_t, zero_dq, use_acc=False, is_async=True)
-    dk, dv, pT, dsT, dq = warpgroup_mma_wait(0, deps=(dk, dv, pT, dsT, dq))
+    dv = warpgroup_mma(pT_a, do_t, dv, is_async=True)
+    dk = warpgroup_mma(dsT_a, q_t, dk, is_async=True)
+    cur[0].index(z).store(dsT)
+    dq = warpgroup_mma_wait(2, deps=(dq, ))
     if t >= 1:  # into buffer (t-1) % 2
         _single_keys_dq_free(dq_empty, t - 1)
         prev[1].index(z).store(dq)
+    dk, dv, pT_a, dsT_a = warpgroup_mma_wait(0, deps=(dk, dv, pT_a, dsT_a))
     return dk, dv
 
 
@@ -644,9 +647,9 @@ def flash_bwd_single_keys_gluon_kernel(
         the one CTA barrier of the tile: tile t-1's stage goes back to the loader (and through it tile t-2's dQ
         to the dQ warp)
         Pᵀ = exp2(Sᵀ·scale·log2 e - L)                                       (under dPᵀ; the exponentials of one
-        dSᵀ = Pᵀ·(dPᵀ - delta) -> shared                                      warpgroup under the other's matmuls)
-        issue  dV += Pᵀ·dO, dK += dSᵀ·Q, dQ of tile t-1 = dS·K;  wait all
-        dQ -> shared (once the dQ warp has read the buffer)
+        dSᵀ = Pᵀ·(dPᵀ - delta)                                               warpgroup under the other's matmuls)
+        issue  dQ of tile t-1 = dS·K, dV += Pᵀ·dO, dK += dSᵀ·Q
+        dSᵀ -> shared;  wait dQ;  dQ -> shared (once the dQ warp has read the buffer);  wait dV, dK
     (Two parts of 64 queries per d-64 tile, the second's exponentials under the first's dV and dK, cost 3% more
     backward time on the H200: NOTES.md, session 23.) Under causal masking the d-128 key tile spans two query
     tiles of the diagonal.

@@ -44,10 +44,10 @@ def test_smoke_resources_compiles_every_kernel_for_sm90(tmp_path):
     assert "| flash_fwd | " in (tmp_path / "resources" / "table.md").read_text()
 
 
-# spill-store bytes a Gluon kernel may have: the keys-on-rows single pass spills loop-bookkeeping scalars of its
-# per-head loop at 240 registers (compute warps): 32 B at d 128, 8 B at d 64 (since its dQ went by queries,
-# session 24), none in its tile loop (its SASS, NOTES.md sessions 21-24)
-SPILL_ALLOWED = {"flash_bwd_single_pass_keys_gluon": 32}
+# spill-store bytes a Gluon kernel may have: the keys-on-rows single pass spills bookkeeping scalars at 240
+# registers (compute warps): since its stores went under dV and dK (session 25) 76 B at d 64 (two 4-byte reloads
+# per tile in its tile loop, hits in L1) and 64 B at d 128 (none in the loop); NOTES.md sessions 21-25
+SPILL_ALLOWED = {"flash_bwd_single_pass_keys_gluon": 76}
 
 
 def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
