@@ -496,7 +496,7 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     pT_a = gl.convert_layout(pT, a_layout)
     dsT_a = gl.convert_layout(dsT, a_layout)
     # dQ of tile t-1 first, so that its wait comes before dV's and dK's: the stores of this tile's dSᵀ and of that dQ
-    # run under dV and dK instead of after all three
+    # run under dV and dK, not on the tile's chain (before the issue and after the last wait)
     dq = warpgroup_mma(prev[0].index(z).permute((1, 0)), k_t, zero_dq, use_acc=False, is_async=True)
     dv = warpgroup_mma(pT_a, do_t, dv, is_async=True)
     dk = warpgroup_mma(dsT_a, q_t, dk, is_async=True)
