@@ -471,11 +471,10 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, MASKED: gl.constexpr):
     """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ (issued
-    with dV and dK, not with Sᵀ and dPᵀ: that needs more registers than there are; first of the three, so that its
-    fp32 store and this tile's dSᵀ store run under dV and dK). cur: the buffers of tiles of t's parity, prev: those
-    of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's shared-memory hazard analysis
-    takes any view of an allocation for all of it, and would add barriers). Every wgmma is retired before it returns
-    (one in flight across the caller's loop serializes them all, C7515)."""
+    with dV and dK, not with Sᵀ and dPᵀ: that needs more registers than there are). cur: the buffers of tiles of t's
+    parity, prev: those of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's
+    shared-memory hazard analysis takes any view of an allocation for all of it, and would add barriers). Every
+    wgmma is retired before it returns (one in flight across the caller's loop serializes them all, C7515)."""
     # The buffers come as (1, ...) allocations indexed by z, always 0 but not foldable by the compiler: their wgmma
     # descriptors are then computed in the loop instead of hoisted out of it (where ~50 of them were spilled).
     z = t // 1073741824
