@@ -5,8 +5,8 @@ prints for the kernels `runs/profile/ncu_step.py` runs (one table per kernel). P
 reason, by instruction kind (the opcode's first word: HGMMA, MUFU, SYNCS for the mbarrier waits, BAR, ...), and
 the instructions with the most samples, each with its two largest stall reasons; then the same for the hot loop
 alone (instructions executed between half and twice as often as the most executed wgmma (HGMMA): the compute
-warps' steady loop, without the waits of a warp-specialized kernel's loader and other workers). Stall reasons count all samples
-(ncu's "(Not Issued)" subsets are left out). Text to --out.
+warps' steady loop, without the waits of a warp-specialized kernel's loader and other workers). Stall reasons
+count all samples (ncu's "(Not Issued)" subsets are left out). Text to --out.
 
     python3 runs/profile/ncu_sass_stalls.py ncu_src.csv --out runs/profile/ncu_waits_<commit>.txt
 
@@ -37,29 +37,37 @@ def tables(path: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def summary(name: str, rows: list[dict[str, str]], top: int, first: int | None = None) -> list[str]:
+def count(row: dict[str, str], column: str) -> int:
+    return int(row[column] or 0)
+
+
+def opcode(source: str) -> str:
+    """The opcode's first word (HGMMA of `@P0 HGMMA.64x64x16...`)."""
+    words = [w for w in source.split() if not w.startswith("@")] or ["?"]
+    return words[0].split(".")[0]
+
+
+def summary(name: str, rows: list[dict[str, str]], top: int, base: int) -> list[str]:
+    """Samples by stall reason and by opcode, then the `top` instructions (offsets from `base`)."""
     stalls = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
-    total = sum(int(r["# Samples"] or 0) for r in rows)
+    total = sum(count(r, "# Samples") for r in rows)
     by_reason = collections.Counter()
     by_kind = collections.Counter()
     for r in rows:
-        kind = r["Source"].split()[0] if r["Source"].split() else "?"
-        if kind.startswith("@"):  # predicated: the opcode is the next word
-            kind = r["Source"].split()[1]
-        by_kind[kind.split(".")[0]] += int(r["# Samples"] or 0)
+        by_kind[opcode(r["Source"])] += count(r, "# Samples")
         for k in stalls:
-            by_reason[k] += int(r[k] or 0)
+            by_reason[k] += count(r, k)
     lines = [f"\n=== {name}: {total:,} samples, {len(rows):,} SASS instructions",
              "by stall reason: " + ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in by_reason.most_common() if v)]
     lines.append("by instruction kind: " + ", ".join(f"{k} {v / total:.1%}" for k, v in by_kind.most_common(14)))
     lines.append(f"top {top} instructions (offset from the kernel's first, samples, share, warp executions, "
                  f"top two stall reasons):")
-    base = int(rows[0]["Address"], 16) if first is None else first
-    for r in sorted(rows, key=lambda r: -int(r["# Samples"] or 0))[:top]:
-        n = int(r["# Samples"] or 0)
-        reasons = sorted(((int(r[k] or 0), k[6:]) for k in stalls), reverse=True)[:2]
-        lines.append(f"  {int(r['Address'], 16) - base:06x} {n:7,} {n / total:6.1%} {int(r['Instructions Executed'] or 0):>10,}"
-                     f"  {r['Source'].strip()[:60]:<60} {', '.join(f'{k} {v}' for v, k in reasons if v)}")
+    for r in sorted(rows, key=lambda r: -count(r, "# Samples"))[:top]:
+        n = count(r, "# Samples")
+        reasons = sorted(((count(r, k), k[6:]) for k in stalls), reverse=True)[:2]
+        lines.append(f"  {int(r['Address'], 16) - base:06x} {n:7,} {n / total:6.1%} "
+                     f"{count(r, 'Instructions Executed'):>10,}  {r['Source'].strip()[:60]:<60} "
+                     f"{', '.join(f'{k} {v}' for v, k in reasons if v)}")
     return lines
 
 
@@ -71,11 +79,11 @@ def main() -> None:
     args = ap.parse_args()
     lines = [f"# {args.csv}: Nsight Compute source page (PC sampling), condensed by runs/profile/ncu_sass_stalls.py"]
     for name, rows in tables(args.csv).items():
-        lines += summary(name, rows, args.top)
-        loop = max(int(r["Instructions Executed"] or 0) for r in rows if "HGMMA" in r["Source"])
-        hot = [r for r in rows if loop / 2 <= int(r["Instructions Executed"] or 0) <= 2 * loop]
-        lines += summary(f"{name}, hot loop (executed {loop // 2:,} to {2 * loop:,} times)", hot, args.top,
-                         int(rows[0]["Address"], 16))
+        base = int(rows[0]["Address"], 16)
+        lines += summary(name, rows, args.top, base)
+        loop = max(count(r, "Instructions Executed") for r in rows if "HGMMA" in r["Source"])
+        hot = [r for r in rows if loop / 2 <= count(r, "Instructions Executed") <= 2 * loop]
+        lines += summary(f"{name}, hot loop (executed {loop // 2:,} to {2 * loop:,} times)", hot, args.top, base)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
