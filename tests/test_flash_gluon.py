@@ -277,6 +277,38 @@ def test_gluon_launches_key_on_the_batch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_head_groups_cover_every_program(d):
+    """The forward and the keys-on-rows single pass run a few heads at a time (`_grouped_program`): with 5 heads
+    one at a time, two (the last group one head), three and all five, every program runs once, on its own tiles:
+    O, L, dK and dV are bitwise those of the default order (outputs start as NaN), dQ's fp32 sums equal up to the
+    order of their additions."""
+    from cs336_systems import flash_gluon
+
+    b, h, n = 1, 5, 1024
+    q, k, v, do = (randn_cuda(b, h, n, d, seed=120 + i, dtype=torch.bfloat16) for i in range(4))
+    scale = d ** -0.5
+
+    def run_group(group):
+        o = torch.full_like(q, float("nan"))
+        lse = torch.full((b * h, n), float("nan"), device=q.device)
+        flash_gluon.forward(q, k, v, o, lse, True, scale, group=group)
+        delta = (o.float() * do.float()).sum(-1).view(b * h, n)
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        acc = torch.zeros(b * h, n, d, device=q.device)
+        flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, group=group)
+        return o, lse, dk, dv, acc
+
+    first = run_group(None)
+    assert not any(t.isnan().any() for t in first)
+    for group in (1, 2, 3, 5):
+        *exact, acc = run_group(group)
+        for name, x, y in zip(("O", "L", "dK", "dV"), exact, first):
+            assert torch.equal(x, y), f"{name} with {group} heads at a time"
+        torch.testing.assert_close(acc, first[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
 def test_gluon_launch_cache_keys_on_the_head_dim():
     """Same shape and config at two head dims: each call runs the kernel compiled for its own (a cache keyed
     without the head dim ran the d 64 kernel on d 128 tensors in the session-12 sweep)."""

@@ -7,6 +7,9 @@ programs, with their prologue (barriers, K/V or Q loads) and epilogue (dK/dV or 
 of time against programs per SM gives the cost of one program. Rounds interleave the shapes; do_bench medians.
 
     python3 runs/profile/cta_overhead.py --out $OUT/cta_overhead.txt
+
+With --groups G1 G2 ..., instead: the 16-head shapes (16 × 16384 at d 64 and d 128, 64 × 8192 at d 64) with the
+programs run G heads at a time (`flash_gluon._grouped_program`) for each G, and with the default (`head_group`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from cs336_systems import flash_gluon
 SHAPES = {64: ((1, 64, 8192), (1, 16, 16384), (1, 4, 32768), (1, 1, 65536)), 128: ((1, 16, 16384), (1, 1, 65536))}
 
 
-def kernels(b: int, h: int, n: int, d: int):
-    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal."""
+def kernels(b: int, h: int, n: int, d: int, group: int | None = None):
+    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal, run `group` heads
+    at a time (None: `flash_gluon.head_group`'s choice)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
     o = torch.empty_like(q)
@@ -36,8 +40,8 @@ def kernels(b: int, h: int, n: int, d: int):
     acc = torch.zeros(b * h, n, d, device="cuda", dtype=torch.float32)
     fb_m, _, fw, _ = flash_gluon.FWD_CONFIGS[d]
     _, bb_n, _, _ = flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d]
-    return (lambda: flash_gluon.forward(q, k, v, o, lse, True, scale),
-            lambda: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc),
+    return (lambda: flash_gluon.forward(q, k, v, o, lse, True, scale, group=group),
+            lambda: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, group=group),
             b * h * -(-n // (fb_m * (fw // 4))), b * h * (n // bb_n))
 
 
@@ -52,18 +56,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep, ms")
+    ap.add_argument("--groups", type=int, nargs="+", help="heads run at once to compare (instead of the fit)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; {sms} SMs; "
              f"bf16 causal, kernels alone, do_bench medians (rep {args.rep} ms), {args.rounds} interleaved rounds"]
+    if args.groups:
+        lines += groups(args.groups, args.rounds, args.rep)
+    else:
+        lines += programs(args.rounds, args.rep, sms)
+    text = "\n".join(lines)
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+
+
+def groups(sizes: list[int], rounds: int, rep: int) -> list[str]:
+    """Per 16-or-more-head shape: forward and single-pass ms per round with each head group and the default."""
+    lines = []
+    for b, h, n, d in ((1, 16, 16384, 64), (1, 64, 8192, 64), (1, 16, 16384, 128)):
+        choices = [None, *(g for g in sizes if g <= h)]
+        built = {g: kernels(b, h, n, d, g) for g in choices}
+        times = {(g, p): [] for g in choices for p in ("fwd", "bwd")}
+        for _ in range(rounds):
+            for g, (fwd, bwd, _, _) in built.items():
+                times[(g, "fwd")].append(do_bench(fwd, rep=rep))
+                times[(g, "bwd")].append(do_bench(bwd, rep=rep))
+        x = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+        lines.append(f"\n{(b, h, n, d)}: heads at once (default: bwd {flash_gluon.kv_head_group(x, x, True)}, "
+                     f"fwd {flash_gluon.fwd_head_group(x, x)}); ms per round, then median")
+        for g in choices:
+            f, bw = times[(g, "fwd")], times[(g, "bwd")]
+            lines.append(f"  {'default' if g is None else g:>7}  fwd {' '.join(f'{x:.4f}' for x in f)} "
+                         f"({statistics.median(f):.4f})  bwd {' '.join(f'{x:.4f}' for x in bw)} "
+                         f"({statistics.median(bw):.4f})")
+        del built
+        torch.cuda.empty_cache()
+    return lines
+
+
+def programs(rounds: int, rep: int, sms: int) -> list[str]:
+    """The fit of time against programs per SM, per head dim."""
+    lines = []
     for d, shapes in SHAPES.items():
         built = {s: kernels(*s, d) for s in shapes}
         times = {(s, p): [] for s in shapes for p in ("fwd", "bwd")}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for s, (fwd, bwd, _, _) in built.items():
-                times[(s, "fwd")].append(do_bench(fwd, rep=args.rep))
-                times[(s, "bwd")].append(do_bench(bwd, rep=args.rep))
+                times[(s, "fwd")].append(do_bench(fwd, rep=rep))
+                times[(s, "bwd")].append(do_bench(bwd, rep=rep))
         lines.append(f"\nd {d}: shape  programs (fwd, bwd)  fwd ms per round  bwd ms per round")
         for s, (_, _, pf, pb) in built.items():
             f, b = times[(s, "fwd")], times[(s, "bwd")]
@@ -78,10 +120,7 @@ def main() -> None:
                          f"{', '.join(f'{y:.1f}' for y in ys)})")
         del built
         torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    return lines
 
 
 if __name__ == "__main__":
