@@ -129,27 +129,32 @@ def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N
 
 
 @gluon.jit
-def _grouped_program(HEAD_GROUP):
-    """(head, tile) of this program in a grid (heads, tiles) that runs HEAD_GROUP heads at a time: programs start
-    in the order of their linear id (axis 0 fastest), which here takes every tile of a group of heads, tile by
-    tile (tile 0 of each head of the group, then tile 1, ...), before the next group. So the programs resident
-    at once read the Q, dO and dQ rows (or K and V) of a few heads, which the L2 holds, instead of all; with
-    HEAD_GROUP ≥ the heads, tile 0 of every head runs first."""
+def _grouped_program(HEAD_GROUP, TAIL):
+    """(head, tile) of this program in a grid (heads, tiles) that runs a few heads at a time: programs start in the
+    order of their linear id (axis 0 fastest), which here takes every tile of HEAD_GROUP heads, tile by tile (tile
+    0 of each head of the group, then tile 1, ...), before the next group, and the last TAIL heads as one group
+    (HEAD_GROUP divides heads - TAIL). So the resident programs read the rows of a few heads, which the L2 holds,
+    instead of all heads'; a large enough last group keeps its longest programs from running alone at the end.
+    With HEAD_GROUP = TAIL = heads: tile 0 of every head first."""
     heads = gl.num_programs(0)
+    tiles = gl.num_programs(1)
     lin = gl.program_id(0) + gl.program_id(1) * heads
-    per_group = HEAD_GROUP * gl.num_programs(1)
-    first = (lin // per_group) * HEAD_GROUP
-    size = gl.minimum(HEAD_GROUP, heads - first)
-    r = lin % per_group
+    if lin < (heads - TAIL) * tiles:
+        first = lin // (HEAD_GROUP * tiles) * HEAD_GROUP
+        size = HEAD_GROUP
+    else:
+        first = heads - TAIL
+        size = TAIL
+    r = lin - first * tiles
     return first + r % size, r // size
 
 
 @gluon.jit
-def _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, BLOCK_N: gl.constexpr):
+def _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
     """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `_grouped_program`'s order): (k_start, its
     first row in the (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query
     head)."""
-    batch_kv_head, key_tile = _grouped_program(HEAD_GROUP)
+    batch_kv_head, key_tile = _grouped_program(HEAD_GROUP, TAIL)
     k_start = key_tile * BLOCK_N
     n_kv_heads = N_HEADS // KV_GROUP
     batch = batch_kv_head // n_kv_heads
@@ -215,7 +220,7 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
 @gluon.jit
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -223,7 +228,7 @@ def flash_bwd_kv_gluon_kernel(
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -337,7 +342,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
 @gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -359,7 +364,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
     with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -642,7 +647,7 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
 @gluon.jit
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -676,7 +681,7 @@ def flash_bwd_single_keys_gluon_kernel(
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
     warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
     q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
@@ -853,17 +858,19 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
 
 @gluon.jit
 def flash_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP,
+    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), HEAD_GROUP heads at a
-    time (`_grouped_program`), the longest causal tiles of each group first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
+    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), the longest causal
+    tiles first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
     in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log."""
     dtype: gl.constexpr = q_desc.dtype
-    batch_head, tile = _grouped_program(HEAD_GROUP)
+    batch_head = gl.program_id(0)
     if is_causal:
-        tile = gl.num_programs(1) - 1 - tile
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)
+    else:
+        tile = gl.program_id(1)
     ROWS: gl.constexpr = WARPGROUPS * BLOCK_M
     q_start = tile * ROWS
     batch = batch_head // N_HEADS
@@ -947,36 +954,40 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-# The share of the L2 that the rows a group of heads streams may fill (`_grouped_program`, `head_group`)
+# The share of the L2 that the rows a group of heads streams may fill (`_grouped_program`, `head_groups`)
 L2_SHARE = 0.5
+# The last group's work per SM, in its longest programs (`head_groups`)
+TAIL_WORK = 1.5
 
 
 @functools.cache
-def head_group(heads: int, bytes_per_head: int, device_index: int | None) -> int:
-    """How many of the grid's `heads` (its axis 0) the resident programs should work on at once
-    (`_grouped_program`): as many as fit their streamed rows (`bytes_per_head` each) in L2_SHARE of the device's L2,
-    at least one; all of them without a device (a CPU compile: the count is a run-time argument)."""
+def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
+                device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `heads` along axis 0 whose programs stream
+    `bytes_per_head` each and take `work_per_head` steps per head, `longest` in the longest program: groups of as
+    many heads as fit in L2_SHARE of the L2 (at least one), and a last group large enough for TAIL_WORK longest
+    programs of work per SM. One group of all heads without a device (a CPU compile: both are run-time
+    arguments)."""
     if device_index is None:
-        return heads
-    l2 = torch.cuda.get_device_properties(device_index).L2_cache_size
-    return max(1, min(heads, int(L2_SHARE * l2) // max(bytes_per_head, 1)))
+        return heads, heads
+    props = torch.cuda.get_device_properties(device_index)
+    group = max(1, min(heads, int(L2_SHARE * props.L2_cache_size) // max(bytes_per_head, 1)))
+    least = -(-int(TAIL_WORK * longest * props.multi_processor_count) // max(work_per_head, 1))
+    tail = next((t for t in range(max(group, least), heads) if (heads - t) % group == 0), heads)
+    return group, tail
 
 
-def kv_head_group(q4: torch.Tensor, k4: torch.Tensor, single_pass: bool) -> int:
-    """`head_group` of a dK/dV pass (grid axis 0: batch·kv heads), whose programs stream the Q, dO, L and delta
-    rows of their kv head's query heads (and, in a single pass, their fp32 dQ rows)."""
+def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m: int, block_n: int,
+                   single_pass: bool) -> tuple[int, int]:
+    """`head_groups` of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys), whose programs
+    stream the Q, dO, L and delta rows of their kv head's query heads (and, in a single pass, their fp32 dQ
+    rows), a BLOCK_M-query tile per step."""
     batch, heads, n_q, d = q4.shape
-    kv_heads = k4.shape[1]
-    per_head = (heads // kv_heads) * n_q * (2 * d * q4.element_size() + 8 + (4 * d if single_pass else 0))
-    return head_group(batch * kv_heads, per_head, q4.device.index)
-
-
-def fwd_head_group(q4: torch.Tensor, k4: torch.Tensor) -> int:
-    """`head_group` of a forward (grid axis 0: batch·heads), whose programs stream their head's K and V rows
-    (shared by the query heads of a GQA group)."""
-    batch, heads, _, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    return head_group(batch * heads, n_k * 2 * d * k4.element_size() * kv_heads // heads, q4.device.index)
+    per_query = (heads // kv_heads) * (2 * d * q4.element_size() + 8 + (4 * d if single_pass else 0))
+    steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
+             for j in range(0, n_k, block_n)]
+    return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), q4.device.index)
 
 
 def _takes(tensors, d: int, configs: dict) -> bool:
@@ -1099,9 +1110,9 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
 
 
 def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
-                    qrows: bool = False, dq_acc=None, group: int | None = None):
+                    qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None):
     """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass);
-    group: the heads run at once (`_grouped_program`; default `head_group`'s)."""
+    groups: `_grouped_program`'s (HEAD_GROUP, TAIL) (default `kv_head_groups`')."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
@@ -1130,33 +1141,34 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     if qrows:
         constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps
-    group = kv_head_group(q4, k4, single) if group is None else group
-    args += (heads, heads // kv_heads, n_q, n_k, scale, group)
+    group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
+    args += (heads, heads // kv_heads, n_q, n_k, scale, group, tail)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None, group)
+           dq_acc is not None, group, tail)
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, args, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, qrows: bool = False, dq_acc=None, group: int | None = None) -> None:
+            cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
     launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
     qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
-    DQ_ATOMIC). group: the heads run at once (`_grouped_program`; default `head_group`'s)."""
+    DQ_ATOMIC). groups: the heads run at once (`_grouped_program`'s (HEAD_GROUP, TAIL); default
+    `kv_head_groups`')."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
-                                                          config, qrows, dq_acc, group)
+                                                          config, qrows, dq_acc, groups)
     _launch(kernel, grid, args, constexprs, key, cached)
 
 
-def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config, group: int | None = None):
-    """(grid, arguments, constexprs, cache key) of a forward launch (group: as `_kv_launch_plan`'s)."""
+def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config):
+    """(grid, arguments, constexprs, cache key) of a forward launch."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
@@ -1166,17 +1178,15 @@ def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
-    group = fwd_head_group(q4, k4) if group is None else group
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
-            heads // kv_heads, n_q, n_k, scale, group)
+            heads // kv_heads, n_q, n_k, scale)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, group)  # (the grid, as in `_kv_launch_plan`)
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0)  # (the grid, as in `_kv_launch_plan`)
     return grid, args, constexprs, key
 
 
-def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
-            group: int | None = None) -> None:
+def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True) -> None:
     """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
-    tensors `fwd_supported` accepted with the same config; group: as `kv_pass`'s."""
-    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config, group)
+    tensors `fwd_supported` accepted with the same config."""
+    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
     _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)

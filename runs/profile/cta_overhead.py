@@ -8,8 +8,9 @@ of time against programs per SM gives the cost of one program. Rounds interleave
 
     python3 runs/profile/cta_overhead.py --out $OUT/cta_overhead.txt
 
-With --groups G1 G2 ..., instead: the 16-head shapes (16 × 16384 at d 64 and d 128, 64 × 8192 at d 64) with the
-programs run G heads at a time (`flash_gluon._grouped_program`) for each G, and with the default (`head_group`).
+With --groups G,T ..., instead: the single pass at 16 × 16384 (d 64 and d 128), 64 × 8192 and 4 × 32768 (d 64) with
+its programs run G heads at a time before a last group of T heads (`flash_gluon._grouped_program`), for each
+(G, T) that fits the heads, and with the default (`flash_gluon.kv_head_groups`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from cs336_systems import flash_gluon
 SHAPES = {64: ((1, 64, 8192), (1, 16, 16384), (1, 4, 32768), (1, 1, 65536)), 128: ((1, 16, 16384), (1, 1, 65536))}
 
 
-def kernels(b: int, h: int, n: int, d: int, group: int | None = None):
-    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal, run `group` heads
-    at a time (None: `flash_gluon.head_group`'s choice)."""
+def kernels(b: int, h: int, n: int, d: int, groups: tuple[int, int] | None = None):
+    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal; the single pass's
+    programs in `groups` of heads (`flash_gluon.kv_pass`'s; None: its default)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
     o = torch.empty_like(q)
@@ -40,8 +41,8 @@ def kernels(b: int, h: int, n: int, d: int, group: int | None = None):
     acc = torch.zeros(b * h, n, d, device="cuda", dtype=torch.float32)
     fb_m, _, fw, _ = flash_gluon.FWD_CONFIGS[d]
     _, bb_n, _, _ = flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d]
-    return (lambda: flash_gluon.forward(q, k, v, o, lse, True, scale, group=group),
-            lambda: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, group=group),
+    return (lambda: flash_gluon.forward(q, k, v, o, lse, True, scale),
+            lambda: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, groups=groups),
             b * h * -(-n // (fb_m * (fw // 4))), b * h * (n // bb_n))
 
 
@@ -56,14 +57,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep, ms")
-    ap.add_argument("--groups", type=int, nargs="+", help="heads run at once to compare (instead of the fit)")
+    ap.add_argument("--groups", nargs="+", help="G,T: head groups to compare (instead of the fit)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; {sms} SMs; "
              f"bf16 causal, kernels alone, do_bench medians (rep {args.rep} ms), {args.rounds} interleaved rounds"]
     if args.groups:
-        lines += groups(args.groups, args.rounds, args.rep)
+        lines += groups([tuple(int(x) for x in g.split(",")) for g in args.groups], args.rounds, args.rep)
     else:
         lines += programs(args.rounds, args.rep, sms)
     text = "\n".join(lines)
@@ -72,25 +73,23 @@ def main() -> None:
         f.write(text + "\n")
 
 
-def groups(sizes: list[int], rounds: int, rep: int) -> list[str]:
-    """Per 16-or-more-head shape: forward and single-pass ms per round with each head group and the default."""
+def groups(choices: list[tuple[int, int]], rounds: int, rep: int) -> list[str]:
+    """Per shape: single-pass ms per round with each (HEAD_GROUP, TAIL) and the default."""
     lines = []
-    for b, h, n, d in ((1, 16, 16384, 64), (1, 64, 8192, 64), (1, 16, 16384, 128)):
-        choices = [None, *(g for g in sizes if g <= h)]
-        built = {g: kernels(b, h, n, d, g) for g in choices}
-        times = {(g, p): [] for g in choices for p in ("fwd", "bwd")}
+    for b, h, n, d in ((1, 16, 16384, 64), (1, 64, 8192, 64), (1, 4, 32768, 64), (1, 16, 16384, 128)):
+        mine = [None, *(g for g in choices if g[1] <= b * h and (b * h - g[1]) % g[0] == 0)]
+        built = {g: kernels(b, h, n, d, g)[1] for g in mine}
+        times = {g: [] for g in mine}
         for _ in range(rounds):
-            for g, (fwd, bwd, _, _) in built.items():
-                times[(g, "fwd")].append(do_bench(fwd, rep=rep))
-                times[(g, "bwd")].append(do_bench(bwd, rep=rep))
+            for g, bwd in built.items():
+                times[g].append(do_bench(bwd, rep=rep))
         x = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-        lines.append(f"\n{(b, h, n, d)}: heads at once (default: bwd {flash_gluon.kv_head_group(x, x, True)}, "
-                     f"fwd {flash_gluon.fwd_head_group(x, x)}); ms per round, then median")
-        for g in choices:
-            f, bw = times[(g, "fwd")], times[(g, "bwd")]
-            lines.append(f"  {'default' if g is None else g:>7}  fwd {' '.join(f'{x:.4f}' for x in f)} "
-                         f"({statistics.median(f):.4f})  bwd {' '.join(f'{x:.4f}' for x in bw)} "
-                         f"({statistics.median(bw):.4f})")
+        block_m, block_n = flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d][:2]
+        default = flash_gluon.kv_head_groups(x, x, True, block_m, block_n, True)
+        lines.append(f"\n{(b, h, n, d)}: single pass ms per round (median), (HEAD_GROUP, TAIL); default {default}")
+        for g in mine:
+            lines.append(f"  {'default' if g is None else str(g):>8}  {' '.join(f'{t:.4f}' for t in times[g])} "
+                         f"({statistics.median(times[g]):.4f})")
         del built
         torch.cuda.empty_cache()
     return lines
