@@ -48,6 +48,13 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
   H200 it ties the Triton pass at d 64 and gains ~2% of the backward at d 128, long sequences.
 
+The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`): as many heads
+as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
+last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
+before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold: on
+the H200 the grouped order takes 3.8% off the backward at the leaderboard shape and 13% off the single pass at 64
+× 8192 (NOTES.md, session 26). The forward keeps its order: its K and V rows fit either way.
+
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
