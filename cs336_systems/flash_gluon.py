@@ -990,11 +990,17 @@ def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m:
     stream the Q, dO, L and delta rows of their kv head's query heads (and, in a single pass, their fp32 dQ
     rows), a BLOCK_M-query tile per step."""
     batch, heads, n_q, d = q4.shape
-    kv_heads, n_k = k4.shape[1], k4.shape[2]
-    per_query = (heads // kv_heads) * (2 * d * q4.element_size() + 8 + (4 * d if single_pass else 0))
+    return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
+                           block_n, single_pass, q4.device.index)
+
+
+@functools.cache
+def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
+                    block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
+    per_query = (heads // kv_heads) * (2 * d * item + 8 + (4 * d if single_pass else 0))
     steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
              for j in range(0, n_k, block_n)]
-    return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), q4.device.index)
+    return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), device_index)
 
 
 def _takes(tensors, d: int, configs: dict) -> bool:
