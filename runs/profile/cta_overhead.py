@@ -53,18 +53,27 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def head_group_pair(text: str) -> tuple[int, int]:
+    """--groups' G,T: two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"want G,T (two positive integers), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep, ms")
-    ap.add_argument("--groups", nargs="+", help="G,T: head groups to compare (instead of the fit)")
+    ap.add_argument("--groups", nargs="+", type=head_group_pair,
+                    help="G,T: head groups to compare (instead of the fit)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; {sms} SMs; "
              f"bf16 causal, kernels alone, do_bench medians (rep {args.rep} ms), {args.rounds} interleaved rounds"]
     if args.groups:
-        lines += groups([tuple(int(x) for x in g.split(",")) for g in args.groups], args.rounds, args.rep)
+        lines += groups(args.groups, args.rounds, args.rep)
     else:
         lines += programs(args.rounds, args.rep, sms)
     text = "\n".join(lines)
