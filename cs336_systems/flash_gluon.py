@@ -48,6 +48,13 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
   H200 it ties the Triton pass at d 64 and gains ~2% of the backward at d 128, long sequences.
 
+The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`): as many heads
+as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
+last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
+before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold: on
+the H200 the grouped order takes 3.8% off the backward at the leaderboard shape and 13% off the single pass at 64
+× 8192 (NOTES.md, session 26). The forward keeps its order: its K and V rows fit either way.
+
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
@@ -129,11 +136,33 @@ def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N
 
 
 @gluon.jit
-def _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N: gl.constexpr):
-    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles)): (k_start, its first row in the
-    (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query head)."""
-    batch_kv_head = gl.program_id(0)
-    k_start = gl.program_id(1) * BLOCK_N
+def _grouped_program(HEAD_GROUP, TAIL):
+    """(head, tile) of this program in a grid (heads, tiles) that runs a few heads at a time: programs start in the
+    order of their linear id (axis 0 fastest), which here takes every tile of HEAD_GROUP heads, tile by tile (tile
+    0 of each head of the group, then tile 1, ...), before the next group, and the last TAIL heads as one group
+    (HEAD_GROUP divides heads - TAIL). So the resident programs read the rows of a few heads, which the L2 holds,
+    instead of all heads'; a large enough last group keeps its longest programs from running alone at the end.
+    With HEAD_GROUP = TAIL = heads: tile 0 of every head first."""
+    heads = gl.num_programs(0)
+    tiles = gl.num_programs(1)
+    lin = gl.program_id(0) + gl.program_id(1) * heads
+    if lin < (heads - TAIL) * tiles:
+        first = lin // (HEAD_GROUP * tiles) * HEAD_GROUP
+        size = HEAD_GROUP
+    else:
+        first = heads - TAIL
+        size = TAIL
+    r = lin - first * tiles
+    return first + r % size, r // size
+
+
+@gluon.jit
+def _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
+    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `_grouped_program`'s order): (k_start, its
+    first row in the (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query
+    head)."""
+    batch_kv_head, key_tile = _grouped_program(HEAD_GROUP, TAIL)
+    k_start = key_tile * BLOCK_N
     n_kv_heads = N_HEADS // KV_GROUP
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
@@ -198,7 +227,7 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
 @gluon.jit
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -206,7 +235,7 @@ def flash_bwd_kv_gluon_kernel(
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -320,7 +349,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
 @gluon.jit
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -342,7 +371,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
     with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -625,7 +654,7 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
 @gluon.jit
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     is_causal: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -659,7 +688,7 @@ def flash_bwd_single_keys_gluon_kernel(
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
     warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, BLOCK_N)
+    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
     q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
@@ -932,6 +961,48 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+# The share of the L2 that the rows a group of heads streams may fill (`_grouped_program`, `head_groups`)
+L2_SHARE = 0.5
+# The last group's work per SM, in its longest programs (`head_groups`)
+TAIL_WORK = 1.5
+
+
+@functools.cache
+def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
+                device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `heads` along axis 0 whose programs stream
+    `bytes_per_head` each and take `work_per_head` steps per head, `longest` in the longest program: groups of as
+    many heads as fit in L2_SHARE of the L2 (at least one), and a last group large enough for TAIL_WORK longest
+    programs of work per SM. One group of all heads without a device (a CPU compile: both are run-time
+    arguments)."""
+    if device_index is None:
+        return heads, heads
+    props = torch.cuda.get_device_properties(device_index)
+    group = max(1, min(heads, int(L2_SHARE * props.L2_cache_size) // max(bytes_per_head, 1)))
+    least = -(-int(TAIL_WORK * longest * props.multi_processor_count) // max(work_per_head, 1))
+    tail = next((t for t in range(max(group, least), heads) if (heads - t) % group == 0), heads)
+    return group, tail
+
+
+def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m: int, block_n: int,
+                   single_pass: bool) -> tuple[int, int]:
+    """`head_groups` of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys), whose programs
+    stream the Q, dO, L and delta rows of their kv head's query heads (and, in a single pass, their fp32 dQ
+    rows), a BLOCK_M-query tile per step."""
+    batch, heads, n_q, d = q4.shape
+    return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
+                           block_n, single_pass, q4.device.index)
+
+
+@functools.cache
+def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
+                    block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
+    per_query = (heads // kv_heads) * (2 * d * item + 8 + (4 * d if single_pass else 0))
+    steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
+             for j in range(0, n_k, block_n)]
+    return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), device_index)
+
+
 def _takes(tensors, d: int, configs: dict) -> bool:
     """sm_90, 16-bit, a head dim with a config, contiguous, one dtype, 16-byte aligned."""
     q4 = tensors[0]
@@ -1056,8 +1127,9 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
 
 
 def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
-                    qrows: bool = False, dq_acc=None):
-    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass)."""
+                    qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None):
+    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass);
+    groups: `_grouped_program`'s (HEAD_GROUP, TAIL) (default `kv_head_groups`')."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
@@ -1086,27 +1158,29 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     if qrows:
         constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps
-    args += (heads, heads // kv_heads, n_q, n_k, scale)
+    group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
+    args += (heads, heads // kv_heads, n_q, n_k, scale, group, tail)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None)
+           dq_acc is not None, group, tail)
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, args, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, qrows: bool = False, dq_acc=None) -> None:
+            cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
     launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
     qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
-    DQ_ATOMIC)."""
+    DQ_ATOMIC). groups: the heads run at once (`_grouped_program`'s (HEAD_GROUP, TAIL); default
+    `kv_head_groups`')."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
-                                                          config, qrows, dq_acc)
+                                                          config, qrows, dq_acc, groups)
     _launch(kernel, grid, args, constexprs, key, cached)
 
 

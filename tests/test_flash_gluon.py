@@ -238,6 +238,32 @@ def test_gluon_forward_cached_launch_repeats_bitwise():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("heads, per_head, work, longest, l2, want", [
+    (16, 8_519_680, 8256, 128, 60 << 20, (3, 4)),   # 16 x 16384 x 64: 3 heads in half the L2, a last group of 4
+    (16, 16_908_288, 16512, 256, 60 << 20, (1, 4)),  # 16 x 16384 x 128
+    (64, 4_259_840, 2080, 64, 60 << 20, (7, 8)),    # 64 x 8192 x 64
+    (1, 34_078_720, 131_328, 512, 60 << 20, (1, 1)),  # one head: one group
+    (32, 532_480, 36, 8, 60 << 20, (32, 32)),       # 2 x 16 x 1024: every head fits, the order is the old one
+    (5, 8_519_680, 8256, 128, 1 << 20, (1, 4)),     # nothing fits: one head at a time, the last 4 together
+])
+def test_head_groups_fit_the_l2_and_end_with_enough_work(monkeypatch, heads, per_head, work, longest, l2, want):
+    """`head_groups`: (HEAD_GROUP, TAIL) with HEAD_GROUP heads' rows in L2_SHARE of the L2, HEAD_GROUP dividing
+    heads - TAIL, and a last group of at least TAIL_WORK longest programs of work per SM (or all heads). The
+    device's L2 and SM count come from a stand-in for `torch.cuda.get_device_properties` (CPU)."""
+    from types import SimpleNamespace
+
+    from cs336_systems import flash_gluon
+
+    props = SimpleNamespace(L2_cache_size=l2, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    group, tail = flash_gluon.head_groups.__wrapped__(heads, per_head, work, longest, 0)
+    assert (group, tail) == want
+    assert 1 <= group <= tail <= heads and (heads - tail) % group == 0
+    assert group == 1 or group * per_head <= flash_gluon.L2_SHARE * l2
+    assert tail == heads or tail * work >= flash_gluon.TAIL_WORK * longest * 132
+    assert flash_gluon.head_groups.__wrapped__(heads, per_head, work, longest, None) == (heads, heads)
+
+
 def test_gluon_launch_keys_hold_the_grid():
     """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
     and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first
@@ -274,6 +300,37 @@ def test_gluon_launches_key_on_the_batch():
             theirs = flash_backward_triton(q, k, v, ref, ref_lse, do, True, plain)
             for name, x, y in zip(("dQ", "dK", "dV"), ours, theirs):
                 assert rel_err(x, y) < 2e-2, f"batch {batch} {name}: {rel_err(x, y):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_head_groups_cover_every_program(d):
+    """The keys-on-rows single pass runs a few heads at a time (`_grouped_program`'s (HEAD_GROUP, TAIL)): with 5
+    heads in groups of 1, 2 or 3 before a last group of 1 to 4, and all 5 at once, every program runs once, on its
+    own key tile: dK and dV are bitwise those of the default order (they start as NaN), dQ's fp32 sums equal up to
+    the order of their additions."""
+    from cs336_systems import flash_gluon
+
+    b, h, n = 1, 5, 1024
+    q, k, v, do = (randn_cuda(b, h, n, d, seed=120 + i, dtype=torch.bfloat16) for i in range(4))
+    scale = d ** -0.5
+    o = torch.empty_like(q)
+    lse = torch.empty(b * h, n, device=q.device)
+    flash_gluon.forward(q, k, v, o, lse, True, scale)
+    delta = (o.float() * do.float()).sum(-1).view(b * h, n)
+
+    def grads(groups):
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        acc = torch.zeros(b * h, n, d, device=q.device)
+        flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, groups=groups)
+        return dk, dv, acc
+
+    first = grads(None)
+    assert not any(t.isnan().any() for t in first)
+    for groups in ((1, 1), (2, 1), (2, 3), (3, 2), (1, 4), (5, 5)):
+        dk, dv, acc = grads(groups)
+        assert torch.equal(dk, first[0]) and torch.equal(dv, first[1]), f"(HEAD_GROUP, TAIL) = {groups}"
+        torch.testing.assert_close(acc, first[2], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
