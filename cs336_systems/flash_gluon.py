@@ -967,7 +967,6 @@ L2_SHARE = 0.5
 TAIL_WORK = 1.5
 
 
-@functools.cache
 def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
                 device_index: int | None) -> tuple[int, int]:
     """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `heads` along axis 0 whose programs stream

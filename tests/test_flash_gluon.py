@@ -256,12 +256,12 @@ def test_head_groups_fit_the_l2_and_end_with_enough_work(monkeypatch, heads, per
 
     props = SimpleNamespace(L2_cache_size=l2, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    group, tail = flash_gluon.head_groups.__wrapped__(heads, per_head, work, longest, 0)
+    group, tail = flash_gluon.head_groups(heads, per_head, work, longest, 0)
     assert (group, tail) == want
     assert 1 <= group <= tail <= heads and (heads - tail) % group == 0
     assert group == 1 or group * per_head <= flash_gluon.L2_SHARE * l2
     assert tail == heads or tail * work >= flash_gluon.TAIL_WORK * longest * 132
-    assert flash_gluon.head_groups.__wrapped__(heads, per_head, work, longest, None) == (heads, heads)
+    assert flash_gluon.head_groups(heads, per_head, work, longest, None) == (heads, heads)
 
 
 def test_gluon_launch_keys_hold_the_grid():
