@@ -16,6 +16,7 @@ its programs run G heads at a time before a last group of T heads (`flash_gluon.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -27,9 +28,9 @@ from cs336_systems import flash_gluon
 SHAPES = {64: ((1, 64, 8192), (1, 16, 16384), (1, 4, 32768), (1, 1, 65536)), 128: ((1, 16, 16384), (1, 1, 65536))}
 
 
-def kernels(b: int, h: int, n: int, d: int, groups: tuple[int, int] | None = None):
-    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal; the single pass's
-    programs in `groups` of heads (`flash_gluon.kv_pass`'s; None: its default)."""
+def kernels(b: int, h: int, n: int, d: int):
+    """(forward, single pass, programs of each) on random inputs of (b, h, n, d), bf16, causal; the single pass
+    takes its programs' head groups (`flash_gluon.kv_pass`'s `groups`; None: its default)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
     o = torch.empty_like(q)
@@ -42,7 +43,8 @@ def kernels(b: int, h: int, n: int, d: int, groups: tuple[int, int] | None = Non
     fb_m, _, fw, _ = flash_gluon.FWD_CONFIGS[d]
     _, bb_n, _, _ = flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d]
     return (lambda: flash_gluon.forward(q, k, v, o, lse, True, scale),
-            lambda: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc, groups=groups),
+            lambda groups=None: flash_gluon.kv_pass(q, k, v, do, lse, delta, dk, dv, True, scale, dq_acc=acc,
+                                                    groups=groups),
             b * h * -(-n // (fb_m * (fw // 4))), b * h * (n // bb_n))
 
 
@@ -87,11 +89,11 @@ def groups(choices: list[tuple[int, int]], rounds: int, rep: int) -> list[str]:
     lines = []
     for b, h, n, d in ((1, 16, 16384, 64), (1, 64, 8192, 64), (1, 4, 32768, 64), (1, 16, 16384, 128)):
         mine = [None, *(g for g in choices if g[1] <= b * h and (b * h - g[1]) % g[0] == 0)]
-        built = {g: kernels(b, h, n, d, g)[1] for g in mine}
+        bwd = kernels(b, h, n, d)[1]  # one set of inputs for every choice
         times = {g: [] for g in mine}
         for _ in range(rounds):
-            for g, bwd in built.items():
-                times[g].append(do_bench(bwd, rep=rep))
+            for g in mine:
+                times[g].append(do_bench(functools.partial(bwd, g), rep=rep))
         x = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
         block_m, block_n = flash_gluon.SINGLE_PASS_KEYS_CONFIGS[d][:2]
         default = flash_gluon.kv_head_groups(x, x, True, block_m, block_n, True)
@@ -99,7 +101,7 @@ def groups(choices: list[tuple[int, int]], rounds: int, rep: int) -> list[str]:
         for g in mine:
             lines.append(f"  {'default' if g is None else str(g):>8}  {' '.join(f'{t:.4f}' for t in times[g])} "
                          f"({statistics.median(times[g]):.4f})")
-        del built
+        del bwd
         torch.cuda.empty_cache()
     return lines
 
