@@ -4,7 +4,8 @@ Batch 1, 16 heads, seq 1024, d 64, bf16, causal. Each layer is timed two ways: `
 of one call with the GPU drained before it (as `cs336-bench overhead` times host_us), and `b2b`, the median of
 --rounds rounds of --calls back-to-back calls (the GPU drained before each round) divided by --calls: the
 steady-state host cost. Stand-ins: a trivial `autograd.Function` and a trivial `torch.library.custom_op`
-(each allocating one output like q), so the layers PyTorch adds can be told apart from ours; SDPA beside.
+(each allocating one output like q; the Function's backward hands dO back with no kernel), so the layers PyTorch
+adds, the autograd engine's among them, can be told apart from ours; SDPA beside.
 A third column, `busy`, times one call with the GPU kept busy by a sleep kernel (~1 ms) queued before it, as in
 a training step, where the host runs ahead of the GPU: a layer that waits on the GPU, or whose driver calls
 cost more while it runs, shows there.
@@ -95,6 +96,7 @@ def main() -> None:
     o, lse = ft.flash_forward_triton(q, k, v, True)
     scale = 0.125
     og = ft.FlashAttention2Triton.apply(qg, kg, vg, True)
+    tg = _Trivial.apply(qg, kg, vg, True)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         sg = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
     x = torch.zeros(1024, device="cuda")
@@ -120,10 +122,14 @@ def main() -> None:
                                                                                  retain_graph=True),
         "SDPA flash: torch.autograd.grad (retain_graph)": lambda: torch.autograd.grad(sg, (qg, kg, vg), do,
                                                                                      retain_graph=True),
+        "trivial autograd.Function: torch.autograd.grad": lambda: torch.autograd.grad(tg, (qg, kg, vg), do,
+                                                                                      retain_graph=True),
         "ours: apply + autograd.grad (one step)": lambda: torch.autograd.grad(
             ft.FlashAttention2Triton.apply(qg, kg, vg, True), (qg, kg, vg), do),
         "SDPA flash: sdpa + autograd.grad (one step)": lambda: torch.autograd.grad(
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=True), (qg, kg, vg), do),
+        "trivial: apply + autograd.grad (one step)": lambda: torch.autograd.grad(
+            _Trivial.apply(qg, kg, vg, True), (qg, kg, vg), do),
     }
     lines = [f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
              f"shape (1, 16, 1024, 64) bf16 causal; synced: median of {args.iters} calls; b2b: median of "
