@@ -41,55 +41,61 @@ def main() -> None:
         lines.append(text)
 
     def sdpa(q, k, v, causal):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     impls = {"ours": ft.FlashAttention2Triton.apply, "sdpa_flash": sdpa}
-    for heads, seq, d in SHAPES:
-        q, k, v = (torch.randn(1, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        do = torch.randn_like(q)
-        for name, attn in impls.items():
-
-            def step():
-                return torch.autograd.grad(attn(q, k, v, True), (q, k, v), do)
-
-            for _ in range(20):
-                step()
-            fwd, bwd, whole = [], [], []
-            for _ in range(args.iters):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                o = attn(q, k, v, True)
-                t1 = time.perf_counter()
-                torch.autograd.grad(o, (q, k, v), do)
-                t2 = time.perf_counter()
-                fwd.append((t1 - t0) * 1e6)
-                bwd.append((t2 - t1) * 1e6)
-                whole.append((t2 - t0) * 1e6)
-            torch.cuda.synchronize()
-            say(f"\n=== {name}, (1, {heads}, {seq}, {d}): step {statistics.median(whole):.1f} µs = forward "
-                f"{statistics.median(fwd):.1f} + grad {statistics.median(bwd):.1f} (medians)")
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                step()
-                say("no synchronizing call under set_sync_debug_mode('error')")
-            except RuntimeError:
-                tb = traceback.format_exc().strip().splitlines()
-                say("a synchronizing call: " + " | ".join(x.strip() for x in tb[-12:]))
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.profiled):
-                    torch.cuda.synchronize()
-                    step()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)
-            say(table)
+    # SDPA's backend chosen once for the whole run (as host_layers.py does), not inside the timed calls
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        for heads, seq, d in SHAPES:
+            measure(heads, seq, d, impls, args, say)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def measure(heads: int, seq: int, d: int, impls: dict, args: argparse.Namespace, say) -> None:
+    """One shape: per implementation, the step's host µs split, the sync check and the CPU-side profile."""
+    q, k, v = (torch.randn(1, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    for name, attn in impls.items():
+
+        def step():
+            return torch.autograd.grad(attn(q, k, v, True), (q, k, v), do)
+
+        for _ in range(20):
+            step()
+        fwd, bwd, whole = [], [], []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = attn(q, k, v, True)
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, (q, k, v), do)
+            t2 = time.perf_counter()
+            fwd.append((t1 - t0) * 1e6)
+            bwd.append((t2 - t1) * 1e6)
+            whole.append((t2 - t0) * 1e6)
+        torch.cuda.synchronize()
+        say(f"\n=== {name}, (1, {heads}, {seq}, {d}): step {statistics.median(whole):.1f} µs = forward "
+            f"{statistics.median(fwd):.1f} + grad {statistics.median(bwd):.1f} (medians)")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            say("no synchronizing call under set_sync_debug_mode('error')")
+        except RuntimeError:
+            tb = traceback.format_exc().strip().splitlines()
+            say("a synchronizing call: " + " | ".join(x.strip() for x in tb[-12:]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profiled):
+                torch.cuda.synchronize()
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)
+        say(table)
 
 
 if __name__ == "__main__":
