@@ -4,9 +4,11 @@ The forward walks query tiles and, inside, key tiles with an online softmax (fp3
 denominator l and accumulator), skipping key tiles wholly above the causal diagonal. It saves
 exactly one (..., Nq) fp32 tensor, the logsumexp L, beside Q, K, V and O.
 
-The backward is one plain function (equations 13-19 of the handout, D = rowsum(dO * O)) run
-under `torch.compile`; `flash_backward_compiled` is shared with the Triton ablation variant that
-keeps a PyTorch backward, and both serve as the Triton op's fallback on a CPU without the
+The backward is one plain function (equations 13-19 of the handout, D = rowsum(dO * O)), walked
+over blocks of queries so that its memory stays O(block × Nk). On CUDA it runs under `torch.compile`
+(the handout's deliverable); on the CPU it runs eagerly: Inductor's C++ compile would cost 20-70 s on
+the first call and recompile per shape, for a function of a few large matmuls that eager PyTorch
+already runs at SDPA's speed. It also serves the Triton op's fallback on a CPU without the
 interpreter. Causally hidden scores are excluded exactly (-inf), as SDPA does. The backward is not
 itself differentiable (double backward raises).
 """
@@ -63,32 +65,57 @@ def flash_forward_tiled(
     return O, L
 
 
+BACKWARD_ROWS = 512  # queries per block of the backward: bounds the (rows, Nk) fp32 score blocks it holds
+
+
 def flash_backward(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor,
-    L: torch.Tensor, is_causal: bool, scale: float | None = None,
+    L: torch.Tensor, is_causal: bool, scale: float | None = None, rows: int | None = BACKWARD_ROWS,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward by recomputation (handout eqs. 13-19), in fp32, gradients in the inputs' dtype."""
+    """Backward by recomputation (handout eqs. 13-19) in fp32, a block of `rows` queries at a time (None: all at
+    once, as compiled). Gradients in the inputs' dtypes, or in `grad_dtype` (fp32 for a caller that sums them
+    further before rounding)."""
     scale = Q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, o, do = (t.float() for t in (Q, K, V, O, dO))
-    S = q @ k.transpose(-1, -2) * scale                                 # (..., Nq, Nk)
-    if is_causal:
-        keep = _causal_keep(0, Q.shape[-2], 0, K.shape[-2], Q.device)
-        S = torch.where(keep, S, float("-inf"))
-    P = torch.exp(S - L[..., None])                                     # (..., Nq, Nk)
-    D = (do * o).sum(dim=-1, keepdim=True)                              # (..., Nq, 1)
-    dV = P.transpose(-1, -2) @ do
-    dP = do @ v.transpose(-1, -2)
-    dS = P * (dP - D)
-    dQ = dS @ k * scale
-    dK = dS.transpose(-1, -2) @ q * scale
+    n_q, n_k = Q.shape[-2], K.shape[-2]
+    k, v = K.float(), V.float()
+    dQ = torch.empty(Q.shape, device=Q.device, dtype=torch.float32)
+    dK = torch.zeros(K.shape, device=K.device, dtype=torch.float32)
+    dV = torch.zeros(V.shape, device=V.device, dtype=torch.float32)
+    blocks = [(0, n_q)] if rows is None else [(start, min(n_q, start + rows)) for start in range(0, n_q, rows)]
+    for start, stop in blocks:
+        keys = min(n_k, stop) if is_causal else n_k                     # keys past the block's last row: hidden
+        q = Q[..., start:stop, :].float()
+        do = dO[..., start:stop, :].float()
+        kb, vb = k[..., :keys, :], v[..., :keys, :]
+        S = q @ kb.transpose(-1, -2) * scale                            # (..., rows, keys)
+        if is_causal:
+            S = torch.where(_causal_keep(start, stop - start, 0, keys, Q.device), S, float("-inf"))
+        P = torch.exp(S - L[..., start:stop, None])
+        D = (do * O[..., start:stop, :].float()).sum(dim=-1, keepdim=True)
+        dV[..., :keys, :] += P.transpose(-1, -2) @ do
+        dS = P * (do @ vb.transpose(-1, -2) - D)
+        dQ[..., start:stop, :] = dS @ kb * scale
+        dK[..., :keys, :] += dS.transpose(-1, -2) @ q * scale
+    if grad_dtype is not None:
+        return dQ.to(grad_dtype), dK.to(grad_dtype), dV.to(grad_dtype)
     return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype)
 
 
-flash_backward_compiled = torch.compile(flash_backward, dynamic=True)
+def _whole_backward(Q, K, V, O, dO, L, is_causal, scale=None, grad_dtype=None):
+    return flash_backward(Q, K, V, O, dO, L, is_causal, scale, None, grad_dtype)
+
+
+flash_backward_compiled = torch.compile(_whole_backward, dynamic=True)
+
+
+def backward_for(device: torch.device):
+    """The backward a device runs: compiled on CUDA, eager elsewhere (see the module)."""
+    return flash_backward_compiled if device.type == "cuda" else flash_backward
 
 
 class FlashAttention2Pytorch(torch.autograd.Function):
-    """FlashAttention-2 with a tiled PyTorch forward and a compiled recomputing backward."""
+    """FlashAttention-2 with a tiled PyTorch forward and a recomputing backward (compiled on CUDA)."""
 
     @staticmethod
     def forward(ctx, Q, K, V, is_causal=False):
@@ -102,7 +129,7 @@ class FlashAttention2Pytorch(torch.autograd.Function):
     def backward(ctx, dO):
         refuse_double_backward("FlashAttention2Pytorch")
         L, Q, K, V, O = ctx.saved_tensors
-        dQ, dK, dV = flash_backward_compiled(Q, K, V, O, dO, L, ctx.is_causal)
+        dQ, dK, dV = backward_for(Q.device)(Q, K, V, O, dO, L, ctx.is_causal)
         return dQ, dK, dV, None
 
 

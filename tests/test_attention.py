@@ -230,9 +230,10 @@ def test_flash_bad_input_raises(impl, args, error, words):
 
 def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monkeypatch):
     """Without CUDA and without the interpreter the op runs the tiled PyTorch implementation."""
+    import cs336_systems.flash.launch as launch
     import cs336_systems.flash_triton as ft
 
-    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(launch, "INTERPRET", False)
     q, k, v, do = make_inputs((2, 40, 40, 16), torch.float32, "cpu", seed=6)
     ours = run(ft.flash_attention, q, k, v, do, True)
     check_against_float64(ours, q, k, v, do, True, FP32_RULE)
@@ -244,10 +245,10 @@ def test_flash_triton_falls_back_to_pytorch_on_cpu_without_the_interpreter(monke
 def fresh_plans(monkeypatch):
     """Empty host-plan caches for a test that monkeypatches what flash_triton decides its plans from: the plans made
     under the patches go when the test ends, with the patches."""
-    import cs336_systems.flash_triton as ft
+    import cs336_systems.flash.launch as launch
 
-    monkeypatch.setattr(ft, "_FORWARD_PLANS", {})
-    monkeypatch.setattr(ft, "_BACKWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
 
 
 @pytest.mark.parametrize("opts,min_work,gluon_config", [
@@ -262,16 +263,17 @@ def fresh_plans(monkeypatch):
 def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, min_work, gluon_config):
     """Which forward `flash_forward_triton` launches (the launches recorded, not run): the Gluon kernel
     where KernelOptions.gluon_fwd asks for it and it applies, with its config; else the Triton kernel."""
-    import cs336_systems.flash_triton as ft
+    from cs336_systems.flash import chooser, launch
 
     calls = []
-    monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
-    monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
-    monkeypatch.setattr(ft.flash_gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
-    monkeypatch.setattr(ft.flash_gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
-    monkeypatch.setattr(ft, "_fwd_launch", lambda *a, **kw: calls.append(("triton", None)))
+    triton = lambda *a, **kw: calls.append(("triton", None))  # noqa: E731
+    monkeypatch.setattr(launch, "_tma_wanted", lambda o, q: True)
+    monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
+    monkeypatch.setattr(launch.gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
+    monkeypatch.setattr(launch.gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
+    monkeypatch.setitem(launch._TILED, "fwd", (triton, triton))
     q = torch.zeros(1, 2, 128, 64)
-    ft.flash_forward_triton(q, q, q, True, ft.KernelOptions(**opts))
+    launch.flash_forward_triton(q, q, q, True, chooser.KernelOptions(**opts))
     assert calls == ([("triton", None)] if gluon_config == "triton" else [("gluon", gluon_config)])
 
 
@@ -299,21 +301,24 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     accumulator (keys on rows unless single_qrows) where its config applies (`single`) and deterministic is
     not True, else the Gluon two-pass dK/dV pass (queries on rows unless kv_qrows=False), where
     KernelOptions.gluon_kv asks for it and it applies, else the Triton pass."""
-    import cs336_systems.flash_triton as ft
+    from cs336_systems.flash import chooser, launch
 
     calls = []
-    monkeypatch.setattr(ft, "_tma_wanted", lambda o: True)
-    monkeypatch.setattr(ft, "_tma_ok", lambda *tensors: True)
-    monkeypatch.setattr(ft, "GLUON_MIN_WORK", min_work)
-    monkeypatch.setattr(ft.flash_gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
-    monkeypatch.setattr(ft.flash_gluon, "kv_pass", lambda *a, **kw: calls.append(
+    nothing = lambda *a, **kw: None  # noqa: E731
+    triton = lambda *a, **kw: calls.append(("triton",))  # noqa: E731
+    monkeypatch.setattr(launch, "_tma_wanted", lambda o, q: True)
+    monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
+    monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
+    monkeypatch.setattr(launch.gluon, "kv_pass", lambda *a, **kw: calls.append(
         ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))
-    monkeypatch.setattr(ft, "_kv_launch", lambda *a, **kw: calls.append(("triton",)))
-    for launcher in ("_dq_launch", "_prep_launch", "_cast_launch"):
-        monkeypatch.setattr(ft, launcher, lambda *a, **kw: None)
+    monkeypatch.setitem(launch._TILED, "kv", (triton, triton))
+    monkeypatch.setitem(launch._TILED, "dq", (nothing, nothing))
+    for launcher in ("_prep_launch", "_cast_launch"):
+        monkeypatch.setattr(launch, launcher, nothing)
     q = torch.zeros(1, 2, 128, 64)
     lse = torch.zeros(1, 2, 128)
-    ft.flash_backward_triton(q, q, q, q, lse, q, True, ft.KernelOptions(split_rows=0, **opts))
+    launch.flash_backward_triton(q, q, q, q, lse, q, True, chooser.KernelOptions(split_rows=0, **opts))
     assert calls == [expected]
 
 
@@ -324,7 +329,7 @@ def test_flash_deterministic_flag_picks_the_backward(monkeypatch, flag, torch_de
     """deterministic=None follows torch.are_deterministic_algorithms_enabled() (True: the two-pass backward;
     off: None, the faster design for the call); a bool forces a design. The options reaching the backward
     are recorded, not run."""
-    import cs336_systems.flash_triton as ft
+    import cs336_systems.flash.ops as ops
 
     seen = []
 
@@ -332,12 +337,12 @@ def test_flash_deterministic_flag_picks_the_backward(monkeypatch, flag, torch_de
         seen.append(opts.deterministic)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(ft, "attention_backward", backward)
+    monkeypatch.setattr(ops, "attention_backward", backward)
     q = torch.randn(1, 2, 32, 16, device=DEVICE, requires_grad=True)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(torch_deterministic)
     try:
-        ft.flash_attention(q, q, q, True, deterministic=flag).sum().backward()
+        ops.flash_attention(q, q, q, True, deterministic=flag).sum().backward()
     finally:
         torch.use_deterministic_algorithms(before)
     assert seen == [expected]
@@ -412,15 +417,16 @@ def test_flash_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_lay
     stride its own argument) compute the same function, here through the interpreter: GQA, ragged Nq != Nk, dO
     contiguous or o.sum()'s expand (copied by the dQ pass where the passes load through TMA)."""
     import cs336_systems.flash_triton as ft
+    from cs336_systems.flash import chooser, ops
 
-    monkeypatch.setattr(ft, "_tma_default", lambda: tma)  # TMA where the GPU has it: forced either way here
+    monkeypatch.setattr(chooser, "tma_default", lambda index: tma)  # TMA where the GPU has it: forced either way
     gen = torch.Generator().manual_seed(19)
     q = torch.randn(2, 4, 40, 32, generator=gen).to(DEVICE)
     k, v = (torch.randn(2, 2, 56, 32, generator=gen).to(DEVICE) for _ in range(2))
     do = torch.randn(q.shape, generator=gen) if do_layout == "contiguous" else torch.ones(1, 1, 1, 1).expand(q.shape)
     do = do.to(DEVICE)
-    o, lse = ft.forward_inlined(q, k, v, is_causal, 0.3)
-    grads = ft.backward_inlined(do, q, k, v, o, lse, is_causal, 0.3)
+    o, lse = ops.forward_inlined(q, k, v, is_causal, 0.3)
+    grads = ops.backward_inlined(do, q, k, v, o, lse, is_causal, 0.3)
     exact = run(lambda *a: _sdpa64(*a, scale=0.3, group=2), *(t.double() for t in (q, k, v, do)), is_causal)
     for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), exact):
         assert x.shape == ref.shape and x.is_contiguous(), f"{name}: shape {tuple(x.shape)}, strides {x.stride()}"
@@ -462,8 +468,9 @@ def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch, fresh_plans
     here): the op's outputs must not share storage (torch.library checks it on every call; dK and dV were once
     one allocation there) and must match float64."""
     import cs336_systems.flash_triton as ft
+    from cs336_systems.flash import chooser
 
-    monkeypatch.setattr(ft, "_split_rows", lambda opts, programs, n_rows, n_reduce, causal, d, device: 128)
+    monkeypatch.setattr(chooser, "_split", lambda opts, call, n_rows, n_reduce: 128)
     gen = torch.Generator().manual_seed(29)
     q = torch.randn(1, 2, 260, 16, generator=gen).to(DEVICE)
     k, v = (torch.randn(1, 1, 200, 16, generator=gen).to(DEVICE) for _ in range(2))
@@ -481,9 +488,10 @@ def _plan_call(batch=1, dtype=torch.float32, is_causal=True, scale=None, opts="d
     into its buffer (1: not 16-byte aligned), dO "contiguous", "transposed" (from a (B, S, H, D) layout) or
     "expanded" (o.sum()'s), fp32 dots at `precision`. Gives (O, dQ, dK, dV) and float64 SDPA's."""
     import cs336_systems.flash_triton as ft
+    from cs336_systems.flash import chooser
 
-    options = {"default": ft.DEFAULT_OPTIONS, "tma": ft.KernelOptions(tma=True),  # TMA forced, as on a Hopper GPU
-               "deterministic": ft.DETERMINISTIC_OPTIONS, "atomic": ft.ATOMIC_OPTIONS}[opts]
+    options = {"default": chooser.DEFAULT_OPTIONS, "tma": ft.KernelOptions(tma=True),  # TMA forced, as on Hopper
+               "deterministic": chooser.DETERMINISTIC_OPTIONS, "atomic": chooser.ATOMIC_OPTIONS}[opts]
     gen = torch.Generator().manual_seed(31)
     shape = (batch, 2, 24, 16)
     n = batch * 2 * 24 * 16
@@ -525,12 +533,12 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
     made before it (each planned launch recorded: kernel, grid, arguments other than tensors, constexprs), and
     reuse a planned launch only with the launcher signature it was planned for (on the GPU its compiled kernel is
     then called directly, with no signature taken)."""
-    import cs336_systems.flash_triton as ft
+    import cs336_systems.flash.launch as launch
 
     if not torch.cuda.is_available():  # the launcher's signature starts with the current CUDA device
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     launches, signatures = [], {}
-    planned = ft._PlannedLaunch.__call__
+    planned = launch._PlannedLaunch.__call__
 
     def record(self, buffer, *tensors, scale=None):
         args = self.arguments(tensors, scale)
@@ -539,7 +547,7 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
         signatures.setdefault(self, set()).add(self.launcher._key(self.grid, args, self.constexprs))
         return planned(self, buffer, *tensors, scale=scale)
 
-    monkeypatch.setattr(ft._PlannedLaunch, "__call__", record)
+    monkeypatch.setattr(launch._PlannedLaunch, "__call__", record)
     first, second = PLAN_PAIRS[change]
     _plan_call(**first)
     launches.clear()
@@ -551,8 +559,8 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
         bound = 1e-5 if ieee else 1e-2  # (TF32 dots on the GPU at "high")
         assert rel_err(x, ref) <= bound, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
     assert all(len(seen) == 1 for seen in signatures.values()), "a planned launch served two launcher signatures"
-    monkeypatch.setattr(ft, "_FORWARD_PLANS", {})
-    monkeypatch.setattr(ft, "_BACKWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     launches.clear()
     _plan_call(**second)
     assert after_another == launches
@@ -561,13 +569,13 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
 def test_flash_host_plans_take_the_scale_per_call(fresh_plans):
     """The scale is a kernel argument, in no plan's key: calls of varying scales share one plan per pass (a plan
     per scale would grow without bound under a schedule), and each gets its own scale."""
-    import cs336_systems.flash_triton as ft
+    import cs336_systems.flash.launch as launch
 
     for scale in (0.3, None, 0.7):
         ours, exact = _plan_call(scale=scale)
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
             assert rel_err(x, ref) <= 1e-5, f"scale {scale}, {name}: relative error {rel_err(x, ref):.3g}"
-    assert len(ft._FORWARD_PLANS) == len(ft._BACKWARD_PLANS) == 1
+    assert len(launch._FORWARD_PLANS) == len(launch._BACKWARD_PLANS) == 1
 
 
 @pytest.mark.parametrize("shape,expected", [
@@ -699,7 +707,7 @@ class Hopper:  # what TTIR generation asks of the active driver: the target (no 
 
 
 triton.runtime.driver.set_active(Hopper())
-import cs336_systems.flash_triton as ft
+import cs336_systems.flash.triton_kernels as ft
 
 tile = torch.empty(1, 4, 128, 64, dtype=torch.bfloat16)
 rows = torch.empty(4, 128)

@@ -92,7 +92,7 @@ def test_flash_compiled_short_call_is_launched_by_inductor():
 
 def test_flash_compiled_long_call_keeps_the_launchers():
     """At GLUON_MIN_WORK and above the compiled graphs call the opaque ops (the launchers: Gluon kernels, splits)."""
-    from cs336_systems.flash_triton import GLUON_MIN_WORK
+    from cs336_systems.flash.chooser import GLUON_MIN_WORK
 
     heads, seq = 4, 16384
     assert heads * seq * seq >= GLUON_MIN_WORK

@@ -1,4 +1,4 @@
-"""The Gluon kernels (cs336_systems.flash_gluon) on the GPU (Gluon has no interpreter), and their host-side
+"""The Gluon kernels (cs336_systems.flash.gluon) on the GPU (Gluon has no interpreter), and their host-side
 checks on the CPU.
 
 Each dK/dV-pass case runs the whole backward with `KernelOptions(gluon_kv=True)`, each forward case the
@@ -34,7 +34,7 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
     (`flash_bwd_kv_qrows_gluon_kernel`, KernelOptions.kv_qrows), and the single passes with dQ added in fp32
     by TMA bulk reductions (KernelOptions.deterministic=False): the latter with DQ_ATOMIC
     (KernelOptions.single_qrows) and `flash_bwd_single_keys_gluon_kernel`."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype = CASES[case]
@@ -65,7 +65,7 @@ def test_gluon_kv_pass_meets_2x_rule(case, is_causal, kernel):
 def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
     """The queries-on-rows dK/dV pass (and the single pass built on it) at its other configs (two
     warpgroups of 64 rows; three stages), causal with GQA."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     q, do = (randn_cuda(2, 4, 1024, 64, seed=80 + i, dtype=torch.bfloat16) for i in range(2))
@@ -88,7 +88,7 @@ def test_gluon_kv_qrows_configs_meet_2x_rule(config, deterministic):
 
 def test_gluon_kv_qrows_rejects_mismatched_tiles():
     """Checked before anything is built or launched (CPU tensors never reach a kernel)."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     x = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
     lse = torch.empty(2, 256)
@@ -101,7 +101,7 @@ def test_gluon_single_pass_keys_launch_plan(d):
     """The keys-on-rows single pass's launch, built on the CPU (not run): its kernel, its warps (two compute
     warpgroups, a loader warp, a dQ warp), L and delta as one row of BLOCK_M values per query tile for the loader's
     TMA, dQ's accumulator reduced a whole query tile at a time."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     kernel, args, constexprs, warps, config = flash_gluon.example_launch(
         "flash_bwd_single_pass_keys_gluon", torch.bfloat16, 4, 1024, d, True)
@@ -118,7 +118,7 @@ def test_gluon_single_pass_keys_launch_plan(d):
 def test_gluon_single_pass_keys_rejects_other_tiles():
     """Its tiles are fixed by its two warpgroups of 64 keys (and 64 or 128 queries), its stages by its dQ handoff
     (with three the kernel would hang): anything else is refused before anything is built or launched."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     x = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 256)
@@ -131,7 +131,7 @@ def test_gluon_single_pass_keys_rejects_other_tiles():
 def test_gluon_kv_pass_declines_what_it_cannot_tile():
     """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass (or, for the
     single pass, the two-pass design)."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     q, k, v, do = (randn_cuda(1, 2, 1024, 64, seed=60 + i, dtype=torch.bfloat16) for i in range(4))
     assert flash_gluon.supported(q, k, v, do)
@@ -149,7 +149,7 @@ def test_gluon_kv_pass_declines_what_it_cannot_tile():
 @pytest.mark.gpu
 def test_gluon_kv_pass_cached_launch_repeats_bitwise():
     """The second call of a signature goes through the launch cache and gives the same bits."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     q, k, v, do = (randn_cuda(1, 4, 1024, 64, seed=70 + i, dtype=torch.bfloat16) for i in range(4))
@@ -183,7 +183,7 @@ FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype, config: None for t
 @pytest.mark.parametrize("case", list(FWD_CASES))
 def test_gluon_forward_meets_2x_rule(case, is_causal):
     """O against float64 by the 2x rule; L against float64's logsumexp (natural log)."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
 
     b, h, h_kv, n_q, n_k, d, dtype, config = FWD_CASES[case]
@@ -212,7 +212,7 @@ def test_gluon_forward_meets_2x_rule(case, is_causal):
 @pytest.mark.gpu
 def test_gluon_forward_declines_what_it_cannot_tile():
     """Query lengths not in 64-row tiles, key lengths not in key tiles, other head dims, fp32: Triton."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     q, k, v = (randn_cuda(1, 2, 1024, 64, seed=90 + i, dtype=torch.bfloat16) for i in range(3))
     assert flash_gluon.fwd_supported(q, k, v)
@@ -225,7 +225,7 @@ def test_gluon_forward_declines_what_it_cannot_tile():
 
 @pytest.mark.gpu
 def test_gluon_forward_cached_launch_repeats_bitwise():
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
 
     q, k, v = (randn_cuda(1, 4, 1024, 64, seed=95 + i, dtype=torch.bfloat16) for i in range(3))
@@ -252,7 +252,7 @@ def test_head_groups_fit_the_l2_and_end_with_enough_work(monkeypatch, heads, per
     device's L2 and SM count come from a stand-in for `torch.cuda.get_device_properties` (CPU)."""
     from types import SimpleNamespace
 
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     props = SimpleNamespace(L2_cache_size=l2, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
@@ -268,7 +268,7 @@ def test_gluon_launch_keys_hold_the_grid():
     """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
     and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first
     batch's grid: programs missing or past the tensors). CPU placeholders: nothing is launched."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     keys = {}
     for batch in (1, 2):
@@ -309,7 +309,7 @@ def test_gluon_head_groups_cover_every_program(d):
     heads in groups of 1, 2 or 3 before a last group of 1 to 4, and all 5 at once, every program runs once, on its
     own key tile: dK and dV are bitwise those of the default order (they start as NaN), dQ's fp32 sums equal up to
     the order of their additions."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     b, h, n = 1, 5, 1024
     q, k, v, do = (randn_cuda(b, h, n, d, seed=120 + i, dtype=torch.bfloat16) for i in range(4))

@@ -1,11 +1,11 @@
-"""`cs336_systems.kernel_launch` on the CPU: a fake compiled kernel stands in for one Triton compiled."""
+"""`cs336_systems.flash.c_launch` on the CPU: a fake compiled kernel stands in for one Triton compiled."""
 
 from types import SimpleNamespace
 
 import pytest
 import triton
 
-from cs336_systems.kernel_launch import CLaunch
+from cs336_systems.flash.c_launch import CLaunch
 
 
 @pytest.fixture(autouse=True)

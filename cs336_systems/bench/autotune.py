@@ -1,7 +1,9 @@
-"""autotune: run the Triton autotuner of our FlashAttention-2 kernels on given shapes and record it.
+"""autotune: run the Triton autotuner of our FlashAttention-2 kernels on given shapes, record it, and
+write the tuning table the default path reads (`--write-table`).
 
-For each shape one forward + backward of `flash_attention` runs, which tunes every kernel in
-`cs336_systems.flash_triton.AUTOTUNED_KERNELS` (name -> triton Autotuner) that has not seen the
+The shipped op times nothing: its tiles come from `cs336_systems.flash.tuning`. Here, for each shape one
+forward + backward of the autotuning variant (`KernelOptions(autotune=True)`) runs, which tunes every kernel
+in `cs336_systems.flash_triton.AUTOTUNED_KERNELS` (name -> triton Autotuner) that has not seen the
 shape's tuning key. Each launch is observed: when the autotuner benchmarks its configs, the new
 `Autotuner.cache` entry (key -> chosen config) and `Autotuner.configs_timings` (config -> [median,
 p20, p80] ms) are captured before the next tuning overwrites them. One row per (kernel, tuning key):
@@ -9,6 +11,10 @@ chosen config, its time, and the time of every config tried. Kernels that were n
 (cached key, or a single config as under the interpreter) get a row with tuned=false; keys answered
 from Triton's on-disk autotuning cache (TRITON_CACHE_AUTOTUNING=1) get from_disk_cache=true. A
 "(tuning call)" row per shape records the wall time of the tuning forward + backward.
+
+`--write-table PATH` writes the chosen configs of this run as a tuning table (`tuning.TableKey` fields, the
+config, its time and the run's provenance), merged over the entries of the file already at PATH; the package
+ships `cs336_systems/flash/tuning_table.json`.
 
 `--wide KERNEL ...` tunes the named kernels over a wide grid instead of their shipped configs
 (each `KernelSpec.wide_tiles` x warps `WIDE_WARPS` x pipeline stages `WIDE_STAGES`), to look for configs worth
@@ -19,10 +25,12 @@ shared memory) are timed by the autotuner as inf and kept in the record.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cs336_systems.bench import options, report
@@ -50,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--n-heads", full=16, smoke=1, help="heads", type=positive_int)
     p.add_argument("--batch", type=positive_int, default=1, help="batch size")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking")
+    p.add_argument("--write-table", type=Path, default=None, metavar="PATH",
+                   help="write the chosen configs as a tuning table (merged over the entries already at PATH)")
     p.add_argument(
         "--wide", nargs="+", default=None, metavar="KERNEL",
         help="tune these kernels (names of cs336_systems.flash_triton.KERNELS) over a wide config grid "
@@ -189,6 +199,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from cs336_systems.bench.timing import synchronize, torch_dtype
 
     kernels = flash_triton.AUTOTUNED_KERNELS
+    tuned_attention = flash_triton.autograd_function("FlashAutotuned", flash_triton.KernelOptions(autotune=True))
+    entries: list[dict[str, Any]] = []
     device = rec.device
     wide = sorted(args.wide or [])
     shapes = [(dt, d, s) for dt in args.dtype for d in args.d for s in args.seq]
@@ -213,7 +225,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             start = time.perf_counter()
             with configs_replaced(kernels, wide), observe(kernels) as observed:
                 try:
-                    flash_triton.flash_attention(q, k, v, is_causal=args.causal).sum().backward()
+                    tuned_attention.apply(q, k, v, args.causal).sum().backward()
                     synchronize(device)
                 finally:
                     events.extend(observed)
@@ -227,8 +239,39 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             if ident in seen:
                 continue
             seen.add(ident)
-            rec.measure({**fields, "kernel": event["kernel"]}, lambda e=event: event_metrics(e))
+            row = rec.measure({**fields, "kernel": event["kernel"]}, lambda e=event: event_metrics(e))
+            if row["status"] == "ok" and event["tuned"] and not wide:
+                entries.append(table_entry(event, torch_dtype(dtype_name), d, seq, args.causal, row))
+    if args.write_table is not None and not rec.smoke:
+        write_table(args.write_table, entries, rec.meta)
     return 0
+
+
+def table_entry(event: dict[str, Any], dtype, d: int, seq: int, causal: bool, row: Row) -> dict[str, Any]:
+    """One tuning-table entry from a tuned launch (fields of `tuning.TableKey`, the config, its time)."""
+    import torch
+
+    from cs336_systems.flash import chooser, tuning
+
+    best = event["best_config"]
+    table_name = {"flash_fwd": "fwd", "flash_bwd_kv": "kv", "flash_bwd_dq": "dq"}[event["kernel"]]
+    return dict(kernel=table_name, arch=tuning.arch_name(torch.cuda.get_device_capability()),
+                d=tuning.padded_dim(d), dtype=tuning.dtype_class(dtype, chooser.precision(dtype)), causal=causal,
+                bucket=tuning.length_bucket(seq, seq),
+                config=[best.kwargs["Q_TILE_SIZE"], best.kwargs["K_TILE_SIZE"], best.num_warps, best.num_stages],
+                ms=row.get("ms"), run_id=row["run_id"])
+
+
+def write_table(path: Path, entries: list[dict[str, Any]], meta: Row) -> None:
+    """Merge `entries` over the table at `path` (same key: the new entry) and record this run's provenance."""
+    key = ("kernel", "arch", "d", "dtype", "causal", "bucket")
+    table = json.loads(path.read_text()) if path.exists() else {"measured": [], "entries": []}
+    merged = {tuple(e[f] for f in key): e for e in table["entries"]}
+    merged.update({tuple(e[f] for f in key): e for e in entries})
+    provenance = {f: meta.get(f) for f in ("gpu", "torch", "triton", "commit", "run_id")}
+    table["measured"] = [*table["measured"], {**provenance, "date": time.strftime("%Y-%m-%d", time.gmtime())}]
+    table["entries"] = sorted(merged.values(), key=lambda e: tuple(str(e[f]) for f in key))
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

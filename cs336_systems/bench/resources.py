@@ -6,7 +6,7 @@ contiguous (1, heads, seq, d) tensors would pass (`KernelSpec.example_launch`; u
 constants, 16-divisible ints and aligned pointers get divisibility hints), with TMA descriptors where
 the target has them (sm_90 and newer, as the launcher does on such a GPU; `--no-tma`: block pointers).
 Every kernel of `cs336_systems.flash_triton.KERNELS` (per autotune config) and of
-`cs336_systems.flash_gluon.GLUON_KERNELS` (its default config per head dim; sm_90 only) is compiled
+`cs336_systems.flash.gluon.GLUON_KERNELS` (its default config per head dim; sm_90 only) is compiled
 unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One row per (kernel,
 config): registers per thread, spill bytes, shared memory, the warps per SM the register file allows
 (65,536 registers per SM), and ptxas's C75xx warnings ("Potential Performance Loss: wgmma.mma_async
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--n-heads", full=16, smoke=2, help="heads the arguments describe", type=positive_int)
     p.add_argument("--kernels", nargs="+", default=None, metavar="KERNEL",
                    help="kernels to compile, names of cs336_systems.flash_triton.KERNELS or "
-                        "cs336_systems.flash_gluon.GLUON_KERNELS (default: all that the target runs)")
+                        "cs336_systems.flash.gluon.GLUON_KERNELS (default: all that the target runs)")
     p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
                    help="TMA descriptors in the Triton kernels (default: on for sm_90 and newer, as launched there)")
     p.add_argument("--arch", type=int, choices=options.CUDA_ARCHES, default=90,
@@ -66,7 +66,7 @@ def check(args: argparse.Namespace) -> None:
     if flash_triton.INTERPRET:
         raise ValueError("resources compiles the real kernels: run it without TRITON_INTERPRET=1 "
                          "(cs336_systems.flash_triton was imported in interpreter mode)")
-    from cs336_systems.flash_gluon import GLUON_KERNELS
+    from cs336_systems.flash.gluon import GLUON_KERNELS
 
     options.choices_check("--kernels", args.kernels or [], [*flash_triton.KERNELS, *GLUON_KERNELS])
     options.check_kernel_head_dims("--d", args.d)
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from triton.backends.nvidia.compiler import sm_arch_from_capability
 
     from cs336_systems.bench.timing import torch_dtype
-    from cs336_systems.flash_gluon import GLUON_KERNELS
+    from cs336_systems.flash.gluon import GLUON_KERNELS
     from cs336_systems.flash_triton import KERNELS
 
     tma = args.arch >= 90 if args.tma is None else args.tma
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
 def _gluon_row(rec: Recorder, base: Row, name: str, dtype, args: argparse.Namespace) -> None:
     """The row of a Gluon kernel at its default config for this head dim (or its status if it has none)."""
-    from cs336_systems import flash_gluon
+    from cs336_systems.flash import gluon as flash_gluon
 
     head_dims = sorted(flash_gluon.GLUON_KERNELS[name])
     if base["d_head"] not in head_dims or dtype not in flash_gluon.GLUON_DTYPES:

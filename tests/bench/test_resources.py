@@ -24,7 +24,7 @@ def _resources(tmp_path, *argv) -> subprocess.CompletedProcess:
 
 
 def test_smoke_resources_compiles_every_kernel_for_sm90(tmp_path):
-    from cs336_systems.flash_gluon import GLUON_KERNELS
+    from cs336_systems.flash.gluon import GLUON_KERNELS
 
     done = _resources(tmp_path, "--smoke")
     assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"
@@ -54,7 +54,7 @@ def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
     """The Gluon kernels at their shipped configs: compiled for sm_90a, and ptxas keeps their wgmmas
     asynchronous (no C75xx warning: a warning there means every wgmma waits for the one before) and spills
     nothing (beyond SPILL_ALLOWED)."""
-    from cs336_systems.flash_gluon import GLUON_KERNELS
+    from cs336_systems.flash.gluon import GLUON_KERNELS
 
     done = _resources(tmp_path, "--kernels", *GLUON_KERNELS, "--d", "64", "128", "--seq", "1024", "--n-heads", "2")
     assert done.returncode == 0, f"resources failed:\n{done.stdout}\n{done.stderr}"

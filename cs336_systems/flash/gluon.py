@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.kernel_launch import CLaunch
+from cs336_systems.flash.c_launch import CLaunch
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -1098,7 +1098,7 @@ GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
 
 # Compiled kernels per launch signature (kernel, grid, dtype, head dim, config, causal, the integer arguments,
 # the alignment of the pointer arguments): (its C launch or None, the compiled kernel). Later launches skip
-# the JIT's argument binder and Triton's per-launch Python and call the C launch (`kernel_launch.CLaunch`),
+# the JIT's argument binder and Triton's per-launch Python and call the C launch (`c_launch.CLaunch`),
 # whose wrapper turns the host-side TensorDescriptors into TMA descriptors; where it is None, the compiled
 # kernel's runner. The signature must hold everything the compiled code bakes in: a kernel compiled for
 # another head dim, called with these descriptors, reads tiles of the wrong size.

@@ -1,0 +1,225 @@
+"""Which design runs a call: pure functions from a call's metadata to the forward's and the backward's design.
+
+Routing (sm_90 = Hopper; "large" = batch·heads·Nq·Nk >= GLUON_MIN_WORK; "short grid" = `split_rows` > 0):
+
+  forward                                           | design
+  --------------------------------------------------|------------------------------
+  CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward)
+  large, sm_90, 16-bit, d 64/128, layout Gluon takes| GLUON
+  short grid (few heads × long sequences)           | TRITON_SPLIT (keys split, then merged)
+  otherwise                                         | TRITON
+
+  backward                                          | design
+  --------------------------------------------------|------------------------------
+  CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward)
+  deterministic not True, large, Gluon single pass  | GLUON_SINGLE (dQ by TMA reductions)
+  deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
+  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon where large and taken
+  (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
+
+Under torch.compile a call that runs the Triton two-pass design unsplit, with no Gluon kernel, on CUDA with
+static sizes runs the flat entry kernels launched by Inductor itself (`inlined`).
+
+`KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
+`deterministic`. The tile configs come from `tuning` (no timing on the default path).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from cs336_systems.flash.tuning import TileConfig
+
+# batch·heads·Nq·Nk from which the forward and the dK/dV pass run in Gluon: a Gluon launch (host-side TMA
+# descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton
+GLUON_MIN_WORK = 1 << 30
+SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
+MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (`split_rows`)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """A variant of the kernel; the defaults are the shipped kernel."""
+
+    # True: the two-pass backward (bitwise repeatable). False: the single pass, dQ added in fp32 by atomics or TMA
+    # reductions. None: the single pass where its Gluon kernel applies, else the two-pass design.
+    deterministic: bool | None = None
+    # Tiles: None the tuning table; True Triton's autotuner over `autotune.CONFIGS` (measurement only);
+    # False `configs` entries ("fwd", "kv", "dq" -> (q tile, k tile, warps, stages)), else FIXED_CONFIG.
+    autotune: bool | None = None
+    configs: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    # The ablation's steps (each False/None reverts one measured step of the shipped kernel):
+    triton_backward: bool = True     # False: the recomputing PyTorch backward
+    skip_masked_tiles: bool = True   # False: causal visits every tile and masks it
+    tma: bool | None = None          # TMA tensor descriptors (None: where the GPU and strides allow)
+    dp_first: bool = True            # backward passes issue dP's matmul before P's exponentials
+    fused_prep: bool = True          # two-pass: the dQ pass computes delta (and copies an expanded dO)
+    gluon_fwd: bool | None = None    # the Gluon forward: None on large calls, True wherever it applies, False never
+    gluon_kv: bool | None = None     # the Gluon dK/dV pass (and single pass), likewise
+    kv_qrows: bool = True            # the two-pass Gluon dK/dV pass with the queries on rows
+    single_qrows: bool = False       # the Gluon single pass with the queries on rows (the keys-on-rows one ships)
+    split_rows: int | None = None    # rows per chunk of a split pass: None by `split_rows`, 0 never
+
+    def __post_init__(self):
+        if self.split_rows is not None and (
+                isinstance(self.split_rows, bool) or not isinstance(self.split_rows, int)
+                or self.split_rows < 0 or self.split_rows % SPLIT_UNIT):
+            raise ValueError(f"split_rows must be None, 0 or a positive multiple of {SPLIT_UNIT}, "
+                             f"got {self.split_rows!r}")
+
+    def fixed_config(self, kernel: str) -> TileConfig | None:
+        """The config a fixed-tile variant (autotune=False) runs for `kernel`; None otherwise."""
+        from cs336_systems.flash.tuning import FIXED_CONFIG
+
+        if self.autotune is not False:
+            return None
+        given = dict(self.configs).get(kernel)
+        return FIXED_CONFIG if given is None else TileConfig(*given)
+
+
+DEFAULT_OPTIONS = KernelOptions()
+DETERMINISTIC_OPTIONS = KernelOptions(deterministic=True)
+ATOMIC_OPTIONS = KernelOptions(deterministic=False)
+OPTIONS = {None: DEFAULT_OPTIONS, True: DETERMINISTIC_OPTIONS, False: ATOMIC_OPTIONS}
+
+
+class Forward(enum.Enum):
+    PYTORCH = "pytorch"
+    TRITON = "triton"
+    TRITON_SPLIT = "triton_split"
+    GLUON = "gluon"
+
+
+class Backward(enum.Enum):
+    PYTORCH = "pytorch"
+    TRITON_TWO_PASS = "triton_two_pass"
+    TRITON_SINGLE = "triton_single"
+    GLUON_SINGLE = "gluon_single"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the chooser reads of a call: sizes, device facts and layout facts (computed by the launcher)."""
+
+    batch: int
+    heads: int
+    n_q: int
+    n_k: int
+    d: int
+    causal: bool
+    kernels: bool        # the Triton kernels can run (CUDA, or the interpreter)
+    sms: int             # the GPU's SM count (0: the interpreter, which never splits by itself)
+    tma: bool            # TMA descriptors for the inputs (Hopper, aligned strides; KernelOptions.tma)
+    gluon_fwd: bool      # the Gluon forward takes this call's layout (sm_90, 16-bit, d 64/128, ...)
+    gluon_single: bool   # the Gluon single pass takes it
+    gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
+
+    @property
+    def work(self) -> int:
+        return self.batch * self.heads * self.n_q * self.n_k
+
+
+@dataclass(frozen=True)
+class BackwardChoice:
+    design: Backward
+    gluon_kv: bool = False  # the two-pass design's dK/dV pass in Gluon
+    dq_chunk: int = 0       # rows per chunk where the dQ pass splits (0: unsplit)
+    kv_chunk: int = 0       # ... and the dK/dV pass
+
+    @property
+    def atomic(self) -> bool:
+        return self.design in (Backward.TRITON_SINGLE, Backward.GLUON_SINGLE)
+
+
+def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int, per_sm: int = 2) -> int:
+    """Rows per chunk of a pass's reduction (0: no split) for `programs` (batch·heads) × tiles of n_rows
+    rows, each reducing over up to n_reduce rows, on a GPU with `sms` SMs running `per_sm` programs each
+    (two at head dim <= 64, one above, by registers and shared memory).
+
+    In 128-row steps: the longest program runs `steps` of them and the whole pass W (about half of
+    rows × steps under causal masking). The resident programs share W evenly at W / (per_sm·sms) steps each;
+    chunks of that many steps (at least 4, so that merging stays cheap) split the reduction where at
+    least two fit in the longest program, and only where that program is long (MIN_SPLIT_STEPS: shorter
+    calls are bound by host time, which the merge launches add to). So short grids of long sequences split
+    (one head at 16384-32768 tokens); a grid of many waves (16 heads × 16384) never does.
+    """
+    steps = -(-n_reduce // SPLIT_UNIT)
+    if steps < MIN_SPLIT_STEPS:
+        return 0
+    work = programs * -(-n_rows // SPLIT_UNIT) * steps
+    if causal:
+        work //= 2
+    pieces = steps // max(4, -(-work // (per_sm * sms)))
+    return -(-steps // pieces) * SPLIT_UNIT if pieces >= 2 else 0
+
+
+def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
+    if opts.split_rows is not None:
+        return opts.split_rows
+    if not call.sms:  # the interpreter: only where a test asks for it
+        return 0
+    return split_rows(call.batch * call.heads, n_rows, n_reduce, call.causal, call.sms, 2 if call.d <= 64 else 1)
+
+
+def _gluon_wanted(flag: bool | None, call: Call) -> bool:
+    return call.work >= GLUON_MIN_WORK if flag is None else flag
+
+
+def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:
+    """(design, rows per key chunk where the forward splits)."""
+    if not call.kernels:
+        return Forward.PYTORCH, 0
+    chunk = _split(opts, call, call.n_q, call.n_k)
+    if _gluon_wanted(opts.gluon_fwd, call) and not chunk and call.tma and call.gluon_fwd:
+        return Forward.GLUON, 0
+    return (Forward.TRITON_SPLIT, chunk) if chunk else (Forward.TRITON, 0)
+
+
+def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> BackwardChoice:
+    if not call.kernels or not opts.triton_backward:
+        return BackwardChoice(Backward.PYTORCH)
+    gluon = _gluon_wanted(opts.gluon_kv, call) and opts.skip_masked_tiles and call.tma
+    if opts.deterministic is not True and gluon and call.gluon_single:
+        return BackwardChoice(Backward.GLUON_SINGLE)
+    if opts.deterministic is False:
+        return BackwardChoice(Backward.TRITON_SINGLE)
+    dq_chunk = _split(opts, call, call.n_q, call.n_k)
+    # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
+    kv_chunk = _split(opts, call, call.n_k, call.n_q)
+    gluon_kv = gluon and not kv_chunk and call.gluon_kv
+    return BackwardChoice(Backward.TRITON_TWO_PASS, gluon_kv, dq_chunk, kv_chunk)
+
+
+def inlined(call: Call) -> bool:
+    """Whether a traced call with the default options runs the flat two-pass kernels launched by Inductor:
+    on a GPU, short of the Gluon kernels' work, no pass split."""
+    return (call.kernels and call.sms > 0 and call.work < GLUON_MIN_WORK
+            and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
+            and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp32 follows torch.get_float32_matmul_precision()."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability, asked once per device at the first launch (never at import)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tma_default(device_index: int | None) -> bool:
+    """TMA where the GPU has it (Hopper and newer); never under the interpreter (device_index None)."""
+    return device_index is not None and capability(device_index)[0] >= 9

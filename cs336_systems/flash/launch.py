@@ -1,0 +1,639 @@
+"""Host side of the kernels: per input signature a plan (made once), and launches that skip Triton's Python.
+
+A plan holds what a call decides from its inputs' metadata: the design (`chooser`), the tile configs
+(`tuning`), splits, TMA, allocation shapes, grids, constexprs and strides. A repeat call builds the plan's key,
+allocates and calls the compiled kernels' C launches directly (`c_launch.CLaunch`), which saves most of the host
+time at short sequences. The kernels take each tensor as a pointer beside the (B, H, S, D) strides its plan holds,
+so calls pass their tensors as they are, except inputs of more than four dims, which `as_bhsd` may have to copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from cs336_systems.flash import autotune, chooser, gluon, triton_kernels as kernels, tuning
+from cs336_systems.flash.c_launch import CLaunch, scratch
+from cs336_systems.flash.chooser import DEFAULT_OPTIONS, Backward, Forward, KernelOptions
+from cs336_systems.flash.tuning import TileConfig, padded_dim
+from cs336_systems.flash_pytorch import backward_for, flash_forward_tiled
+
+INTERPRET = kernels.INTERPRET
+MAX_HEAD_DIM = 256  # the largest head dim the kernels take
+MAX_GRID_Y = 65535
+PREP_TILE = 16 if INTERPRET else 64
+SUM_TILE = 16 if INTERPRET else 32  # rows per program of the split sum (more programs: it is latency-bound)
+# The CPU fallback's forward tiles: large, since each tile step is a few PyTorch calls of fixed host cost
+CPU_Q_TILE, CPU_K_TILE = 512, 4096
+
+
+def launch_hooks_installed() -> bool:
+    """Whether a profiler (e.g. proton) hooks Triton's launches: then every launch goes through Triton.
+    Triton 3.6 keeps the hooks in a HookChain (never None; empty when none is installed), older
+    versions a callable or None."""
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+class _Compiled:
+    """What `_Launcher` keeps per argument signature: the compiled kernel's C launch (None where Triton's
+    launcher does not expose it; then its runner is called) and the arguments after the call's own."""
+
+    __slots__ = ("tail", "runner", "c_launch")
+
+    def __init__(self, tail: tuple, runner, c_launch: CLaunch | None):
+        self.tail = tail  # the constexprs and tuned meta-parameters
+        self.runner, self.c_launch = runner, c_launch
+
+
+class _Launcher:
+    """Launches one kernel (a JIT function given its config, or an autotuner); remembers, per argument signature,
+    the compiled kernel and its grid.
+
+    The first launch of a signature goes through Triton (specialization, compilation; for an autotuner, tuning);
+    later ones call the compiled kernel's C launch directly (the current stream, fresh TMA scratch). The signature
+    holds everything Triton specializes on: each tensor's dtype and 16-byte alignment, every integer's value, the
+    constexprs and compile options, and the device. Under the interpreter, or with launch hooks installed, every
+    launch goes through Triton.
+    """
+
+    def __init__(self, kernel, name: str):
+        self.kernel = kernel
+        self.name = name
+        self.tuned = isinstance(kernel, triton.runtime.Autotuner)
+        self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
+        self.entries: dict[tuple, _Compiled] = {}
+        # where the tensors and the specialized non-tensors sit among the arguments: each call site passes one
+        # fixed layout, found at its first call
+        self.tensor_positions: tuple[int, ...] = ()
+        self.other_positions: tuple[int, ...] | None = None
+
+    def _key(self, grid, args: tuple, constexprs: dict) -> tuple:
+        if self.other_positions is None:
+            self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self.other_positions = tuple(i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float)))
+        tensors = [args[i] for i in self.tensor_positions]
+        return (torch.cuda.current_device(), grid, *constexprs.values(), *[t.dtype for t in tensors],
+                *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.other_positions])
+
+    def __call__(self, grid, args: tuple, **constexprs) -> _Compiled | None:
+        """Launch; hand back what this signature's later launches may call directly, or None where every launch
+        goes through Triton."""
+        if INTERPRET or launch_hooks_installed():
+            self.kernel[grid](*args, **constexprs)
+            return None
+        key = self._key(grid, args, constexprs)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._compile(grid, args, constexprs)
+        elif entry.c_launch is None:
+            entry.runner(*args, *entry.tail)
+        else:
+            entry.c_launch(key[0], *args, *entry.tail)
+        return entry
+
+    def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
+        kernel = self.kernel[grid](*args, **constexprs)
+        if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
+            kernel = kernel.result()
+        values = {**dict(zip(self.arg_names, args)), **constexprs}
+        if self.tuned:
+            values.update(self.kernel.best_config.kwargs)
+            values.update({name: rule(values) for name, rule in autotune.EVEN_HEURISTICS.items()})
+        tail = tuple(values[name] for name in self.arg_names[len(args):])
+        fixed_grid = tuple(grid(values) if callable(grid) else grid)
+        return _Compiled(tail, kernel[fixed_grid], CLaunch.of(kernel, fixed_grid))
+
+
+_fwd_launch = _Launcher(kernels.flash_fwd_kernel, "fwd")
+_kv_launch = _Launcher(kernels.flash_bwd_kv_kernel, "kv")
+_dq_launch = _Launcher(kernels.flash_bwd_dq_kernel, "dq")
+_fwd_tuned_launch = _Launcher(autotune.flash_fwd_autotuned, "fwd")
+_kv_tuned_launch = _Launcher(autotune.flash_bwd_kv_autotuned, "kv")
+_dq_tuned_launch = _Launcher(autotune.flash_bwd_dq_autotuned, "dq")
+_prep_launch = _Launcher(kernels.flash_bwd_prep_kernel, "prep")
+_cast_launch = _Launcher(kernels.flash_bwd_dq_cast_kernel, "cast")
+_combine_launch = _Launcher(kernels.flash_fwd_combine_kernel, "combine")
+_sum_launch = _Launcher(kernels.flash_split_sum_kernel, "sum")
+_LAUNCHERS = (_fwd_launch, _kv_launch, _dq_launch, _fwd_tuned_launch, _kv_tuned_launch, _dq_tuned_launch,
+              _prep_launch, _cast_launch, _combine_launch, _sum_launch)
+_TILED = {"fwd": (_fwd_launch, _fwd_tuned_launch), "kv": (_kv_launch, _kv_tuned_launch),
+          "dq": (_dq_launch, _dq_tuned_launch)}
+
+
+def launch_cache_sizes() -> dict[str, int]:
+    """Compiled kernels the fast launch path holds, per launcher (argument signatures seen)."""
+    sizes: dict[str, int] = {}
+    for launcher in _LAUNCHERS:
+        sizes[launcher.name] = sizes.get(launcher.name, 0) + len(launcher.entries)
+    return sizes
+
+
+@dataclass(frozen=True)
+class TilesGrid:
+    """Grid (first, tiles of n, chunks) for a config's meta-parameters; hashable, so that the launch
+    cache keys on it (first is batch·heads, which no kernel argument carries)."""
+
+    first: int
+    n: int
+    tile_name: str
+    chunks: int = 1
+
+    def __call__(self, meta: dict) -> tuple[int, int, int]:
+        tiles = -(-self.n // meta[self.tile_name])
+        if tiles > MAX_GRID_Y:
+            raise ValueError(f"sequence length {self.n} needs {tiles} tiles, more than the launch grid allows")
+        return (self.first, tiles, self.chunks)
+
+
+def device_index(q: torch.Tensor) -> int | None:
+    """q's CUDA device index; None under the interpreter (no GPU facts to ask for)."""
+    return None if INTERPRET or not q.is_cuda else (q.device.index or 0)
+
+
+def tile_config(kernel: str, opts: KernelOptions, q: torch.Tensor, d_tile: int, causal: bool, n_q: int,
+                n_k: int) -> TileConfig | None:
+    """The config `kernel` runs (None: the autotuner chooses, KernelOptions.autotune=True)."""
+    if opts.autotune:
+        return None
+    fixed = opts.fixed_config(kernel)
+    if fixed is not None:
+        return tuning.INTERPRETER_CONFIG if INTERPRET else fixed
+    index = device_index(q)
+    arch = None if index is None else tuning.arch_name(chooser.capability(index))
+    return tuning.tile_config(kernel, arch=arch, d_tile=d_tile, dtype=q.dtype, precision=chooser.precision(q.dtype),
+                              causal=causal, n_q=n_q, n_k=n_k)
+
+
+def tiled_launch(kernel: str, config: TileConfig | None, n_q: int, n_k: int, d: int, d_tile: int) -> tuple:
+    """(launcher, the constexprs the config sets) of a tiled kernel."""
+    configured, tuned = _TILED[kernel]
+    if config is None:
+        return tuned, {}
+    return configured, {**config.constexprs(), **tuning.even_flags(config, n_q, n_k, d, d_tile)}
+
+
+def split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: int, d_tile: int, device,
+                  count: int = 1) -> tuple[int, list[torch.Tensor]]:
+    """(chunks, `count` fp32 partial buffers of a split pass, one allocation, each as chunk 0's (batch,
+    heads, n_rows, d_tile) view); the kernels find chunk c at c·batch·heads·n_rows·d_tile elements
+    from it, and buffer i + 1 starts `chunks` of those after buffer i."""
+    chunks = -(-n_reduce // chunk)
+    parts = torch.empty((count, chunks, batch, heads, n_rows, d_tile), device=device, dtype=torch.float32)
+    return chunks, [parts[i, 0] for i in range(count)]
+
+
+def check_head_dim(d: int) -> None:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is larger than the supported maximum {MAX_HEAD_DIM}")
+
+
+def as_bhsd(t: torch.Tensor) -> torch.Tensor:
+    """View (..., H, S, D) as (B, H, S, D) without copying when the leading dims allow it."""
+    if t.ndim == 2:
+        return t[None, None]
+    if t.ndim == 3:
+        return t[None]
+    if t.ndim == 4:
+        return t
+    return t.reshape(-1, *t.shape[-3:])  # copies only if the leading dims cannot be merged
+
+
+def tma_strides_ok(t: torch.Tensor) -> bool:
+    *outer, last = t.stride()
+    per16 = 16 // t.element_size()
+    return last == 1 and all(s % per16 == 0 for s in outer)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and strides, and a contiguous last dim."""
+    return all(t.data_ptr() % 16 == 0 and tma_strides_ok(t) for t in tensors)
+
+
+def _tma_wanted(opts: KernelOptions, q: torch.Tensor) -> bool:
+    return chooser.tma_default(device_index(q)) if opts.tma is None else opts.tma
+
+
+def _gluon_config(opts: KernelOptions, flag: bool | None, kernel: str):
+    """The config a Gluon kernel asked for explicitly (`flag` True) by a fixed-tile variant gets; else None
+    (its own default)."""
+    return dict(opts.configs).get(kernel) if flag and opts.autotune is False else None
+
+
+def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, opts: KernelOptions,
+               do4: torch.Tensor | None = None) -> chooser.Call:
+    """The chooser's view of a call on (B, H, S, D) tensors (with do4: of its backward)."""
+    batch, heads, n_q, d = q4.shape
+    index = device_index(q4)
+    runs = q4.is_cuda or INTERPRET
+    tma = runs and _tma_wanted(opts, q4) and tma_ok(q4, k4, v4)
+    gluon_fwd = gluon_single = gluon_kv = False
+    if tma:
+        gluon_fwd = gluon.fwd_supported(q4, k4, v4, _gluon_config(opts, opts.gluon_fwd, "fwd"))
+        if do4 is not None and do4.dtype == q4.dtype:
+            config = _gluon_config(opts, opts.gluon_kv, "kv")
+            # the single pass reads a contiguous dO (copied where it is not), so q stands in for it
+            gluon_single = gluon.supported(q4, k4, v4, q4, config, opts.single_qrows, single_pass=True)
+            do_read = q4 if (not tma_ok(do4) or do4.is_contiguous()) else do4  # dO as the two-pass passes load it
+            gluon_kv = gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
+    return chooser.Call(batch, heads, n_q, k4.shape[2], d, causal, runs,
+                        0 if index is None else chooser.sm_count(index), tma, gluon_fwd, gluon_single, gluon_kv)
+
+
+class _PlannedLaunch:
+    """One kernel launch of a plan: a launcher with the grid, constexprs and non-tensor arguments that its plan
+    fixed; a call passes its tensors (and the softmax scale, a float kernel argument in no plan's key, so that calls
+    of varying scales share a plan). Launches go through the launcher until it hands back the signature's compiled
+    kernel, then straight to its C launch: the plan's key holds all that the launcher's signature holds."""
+
+    __slots__ = ("launcher", "grid", "head", "tail", "constexprs", "device", "compiled")
+
+    def __init__(self, launcher, grid, head: tuple, tail: tuple | None, constexprs: dict, device: int | None):
+        self.launcher, self.grid, self.constexprs = launcher, grid, constexprs
+        # the arguments after the tensors: all of them (tail None), or those before the scale and those after it
+        self.head, self.tail = head, tail
+        self.device = device  # the current CUDA device of the plan's key: its compiled kernels, its stream
+        self.compiled: _Compiled | None = None  # one reference, set in one store: threads may share a plan
+
+    def arguments(self, tensors: tuple, scale: float | None) -> tuple:
+        return (*tensors, *self.head) if self.tail is None else (*tensors, *self.head, scale, *self.tail)
+
+    def scratch_size(self) -> int | None:
+        """Bytes of global scratch (TMA descriptors) its C launch takes; None while launches go through Triton."""
+        compiled = self.compiled
+        return None if compiled is None or compiled.c_launch is None else compiled.c_launch.scratch_size
+
+    def __call__(self, buffer: torch.Tensor | None, *tensors: torch.Tensor, scale: float | None = None) -> None:
+        """Launch on this call's tensors; `buffer`: the call's shared scratch (`_SharedScratch`) or None."""
+        args = self.arguments(tensors, scale)
+        compiled = self.compiled
+        if compiled is None or compiled.c_launch is None:
+            self.compiled = self.launcher(self.grid, args, **self.constexprs)
+        else:
+            compiled.c_launch(self.device, *args, *compiled.tail, buffer=buffer)
+
+
+class _SharedScratch:
+    """One global-scratch buffer per call for all the C launches of a plan. As safe as one per launch: the kernels
+    of a call run one after another on the current stream, each writing its TMA descriptors before reading them;
+    the buffer, freed when the call returns, goes back to the caching allocator, which hands it out again only to
+    work queued after them on that stream (under CUDA-graph capture, from the graph's private pool)."""
+
+    __slots__ = ("launches", "size")
+
+    def __init__(self, launches: tuple[_PlannedLaunch, ...]):
+        self.launches = launches
+        self.size: int | None = None  # bytes: the largest launch's, once every launch has its C launch
+
+    def __call__(self) -> torch.Tensor | None:
+        if self.size is None:
+            sizes = [launch.scratch_size() for launch in self.launches]
+            if None in sizes:
+                return None
+            self.size = max(sizes, default=0)
+        return scratch(self.size, 128, None) if self.size else None
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of t's shape, dtype and device (faster to ask for than torch.empty with them)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOptions) -> tuple:
+    """What a plan is decided from: each tensor's shape, strides, dtype and 16-byte misalignment, is_causal, the
+    options; q's device, the fp32 matmul precision, whether launch hooks are installed, and last the current CUDA
+    device, whose compiled kernels the plan's launches call."""
+    q = tensors[0]
+    return (*map(_layout, tensors), is_causal, opts, q.device, chooser.precision(q.dtype), launch_hooks_installed(),
+            torch.cuda.current_device() if q.is_cuda else None)
+
+
+def _off_current_device(q: torch.Tensor, key: tuple) -> bool:
+    """Whether q is on a CUDA device other than the current one (the last part of its plan key)."""
+    return q.is_cuda and key[-1] != q.device.index
+
+
+def _planned_sum(out4: torch.Tensor, chunks: int, chunk: int, d: int, d_tile: int, is_causal: bool,
+                 rows_are_keys: bool, device: int | None) -> _PlannedLaunch:
+    """The launch that writes out4 = the sum of the chunks of one partial buffer of `split_buffers` (one output per
+    launch: the custom op's outputs must not share storage)."""
+    batch, heads, n_rows = out4.shape[:3]
+    return _PlannedLaunch(_sum_launch, (batch * heads, -(-n_rows // SUM_TILE)),
+                          (out4.stride(), chunks, chunk, heads, n_rows), None,
+                          dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=SUM_TILE, is_causal=is_causal,
+                               ROWS_ARE_KEYS=rows_are_keys), device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPlan:
+    """What `flash_forward_triton` decides for a signature."""
+
+    design: Forward
+    lse_shape: tuple[int, ...]
+    reshape: bool                     # inputs of more than four dims: `as_bhsd` each call
+    default_scale: float              # 1/sqrt(D)
+    gluon: tuple | None = None        # (config, cached) of the Gluon forward
+    use_tma: bool = False
+    split: tuple | None = None        # `split_buffers`' arguments where the keys split (a short grid),
+    split_lse_shape: tuple | None = None  # and the partial L's shape
+    fwd: _PlannedLaunch | None = None
+    combine: _PlannedLaunch | None = None  # merges the chunks of a split
+    scratch: _SharedScratch | None = None
+
+
+_FORWARD_PLANS: dict[tuple, ForwardPlan] = {}
+
+
+def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
+                 device: int | None) -> ForwardPlan:
+    q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    d_tile = padded_dim(d)
+    design, chunk = chooser.forward_design(call_facts(q4, k4, v4, is_causal, opts), opts)
+    lse_shape, reshape, default_scale = tuple(q.shape[:-1]), q.ndim > 4, d ** -0.5
+    if design is Forward.GLUON:
+        return ForwardPlan(design, lse_shape, reshape, default_scale,
+                           (_gluon_config(opts, opts.gluon_fwd, "fwd"), not launch_hooks_installed()))
+    o4 = as_bhsd(empty_like(q))  # as each call allocates O
+    split, split_lse_shape, chunks, out = None, None, 1, o4
+    if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
+        split = (chunk, n_k, batch, heads, n_q, d_tile)
+        chunks, (out,) = split_buffers(*split, q.device)
+        split_lse_shape = (chunks, batch * heads, n_q)
+    use_tma = _tma_wanted(opts, q) and tma_ok(q4, k4, v4, out)
+    launcher, config = tiled_launch("fwd", tile_config("fwd", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
+                                    d_tile)
+    fwd = _PlannedLaunch(
+        launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
+        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k), (chunk,),
+        dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles, USE_TMA=use_tma,
+             PRECISION=chooser.precision(q.dtype), SPLIT=bool(chunk), **config), device)
+    combine = None
+    if chunk:
+        combine = _PlannedLaunch(_combine_launch, (batch * heads, -(-n_q // PREP_TILE), 1),
+                                 (o4.stride(), chunks, heads, n_q), None,
+                                 dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
+    return ForwardPlan(design, lse_shape, reshape, default_scale, None, use_tma, split, split_lse_shape, fwd, combine,
+                       _SharedScratch((fwd,) if combine is None else (fwd, combine)))
+
+
+def _check_launchable(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got a tensor on {q.device} "
+            "(set TRITON_INTERPRET=1 before importing cs336_systems to run them on the CPU)")
+    check_head_dim(q.shape[-1])
+
+
+def flash_forward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+    opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D))."""
+    _check_launchable(q)
+    key = plan_key((q, k, v), is_causal, opts)
+    if _off_current_device(q, key):
+        with torch.cuda.device(q.device):
+            return flash_forward_triton(q, k, v, is_causal, opts, scale)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1])
+    scale = plan.default_scale if scale is None else float(scale)
+    o = empty_like(q)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.reshape:
+        q, k, v = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+    if plan.gluon:
+        config, cached = plan.gluon
+        gluon.forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, is_causal, scale, config, cached=cached)
+        return o, lse
+    if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
+        triton.set_allocator(scratch)
+    out, out_lse = o, lse
+    if plan.split:
+        _, (out,) = split_buffers(*plan.split, q.device)
+        out_lse = q.new_empty(plan.split_lse_shape, dtype=torch.float32)
+    buffer = plan.scratch()
+    plan.fwd(buffer, q, k, v, out, out_lse, scale=scale)
+    if plan.combine:
+        plan.combine(buffer, out, out_lse, o, lse)
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _BackwardBuffers:
+    """What a backward call allocates besides dQ, dK, dV, by its plan."""
+
+    delta_shape: tuple[int, int]  # (batch·heads, Nq)
+    dq_acc_shape: tuple[int, int, int] | None  # (batch·heads, Nq, D_TILE): the single pass's fp32 dQ accumulator
+    copy_do: str | None  # "dq pass": an empty buffer that the fused dQ pass fills; "now": dO.contiguous(); None
+    dq_split: tuple | None  # `split_buffers`' arguments where the dQ pass splits
+    kv_split: tuple | None  # ... and where the dK/dV pass does (two buffers: dK's, dV's)
+
+    def __call__(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: torch.Tensor) -> tuple:
+        """(delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out): delta; the dQ accumulator; dO as the passes that
+        read it through pointers take it, and as the TMA-loading passes do; where the dQ pass and the dK/dV pass
+        write (the outputs, or partial sums)."""
+        delta = dq.new_empty(self.delta_shape, dtype=torch.float32)
+        do_tiles = do
+        if self.copy_do == "dq pass":
+            do_tiles = empty_like(do)
+        elif self.copy_do == "now":
+            do = do_tiles = do.contiguous()
+        dq_out = dq
+        if self.dq_split:
+            _, (dq_out,) = split_buffers(*self.dq_split, dq.device)
+        dk_out, dv_out = dk, dv
+        if self.kv_split:
+            _, (dk_out, dv_out) = split_buffers(*self.kv_split, dq.device, 2)
+        # Outside the single pass the dQ-accumulator argument is unused, and dK's buffer stands in for it (the kv
+        # autotuner zeroes that argument before timing each config and before the launch, which then writes all
+        # of dK). No input, nor delta or dQ, may stand in.
+        dq_acc = dk_out
+        if self.dq_acc_shape is not None:
+            dq_acc = dq.new_empty(self.dq_acc_shape, dtype=torch.float32)
+        return delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardPlan:
+    """What `flash_backward_triton` decides for a signature: the launches in their order."""
+
+    choice: chooser.BackwardChoice
+    buffers: _BackwardBuffers
+    reshape: bool                     # inputs of more than four dims: `as_bhsd` each call
+    default_scale: float              # 1/sqrt(D)
+    use_tma: bool
+    prep: _PlannedLaunch | None       # the pre-pass: delta (and the single pass's zeroed dQ accumulator)
+    dq: _PlannedLaunch | None         # the two-pass design's dQ pass
+    dq_sum: _PlannedLaunch | None     # merges its chunks where it splits
+    kv: _PlannedLaunch | None         # the Triton dK/dV pass, or
+    gluon_kv: tuple | None            # (config, keywords) of the Gluon one (`gluon.kv_pass`)
+    kv_sums: tuple[_PlannedLaunch, ...]  # dK's and dV's, where the dK/dV pass splits
+    cast: _PlannedLaunch | None       # the single pass's dQ = its accumulator · scale, in q's dtype
+    scratch: _SharedScratch
+
+
+_BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}
+
+
+def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                  is_causal: bool, opts: KernelOptions, device: int | None) -> BackwardPlan:
+    q4, k4, v4, o4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), as_bhsd(do)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    call = call_facts(q4, k4, v4, is_causal, opts, do4)
+    choice = chooser.backward_design(call, opts)
+    atomic, gluon_single = choice.atomic, choice.design is Backward.GLUON_SINGLE
+    fused = opts.fused_prep and not atomic
+    # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
+    # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
+    # pass reads dO through pointers and writes the copy the dK/dV pass loads.
+    copy_do = call.tma and (not tma_ok(do4) or gluon_single and not do4.is_contiguous())
+    d_tile = padded_dim(d)
+    dq_chunk, kv_chunk = choice.dq_chunk, choice.kv_chunk
+    dq_chunks, kv_chunks = -(-n_k // dq_chunk) if dq_chunk else 1, -(-n_q // kv_chunk) if kv_chunk else 1
+    reshape = max(t.ndim for t in (q, k, v, o, do)) > 4
+    buffers = _BackwardBuffers(
+        (batch * heads, n_q), (batch * heads, n_q, d_tile) if atomic else None,
+        ("dq pass" if fused else "now") if copy_do else None,
+        (dq_chunk, n_k, batch, heads, n_q, d_tile) if dq_chunk else None,
+        (kv_chunk, n_q, batch, kv_heads, n_k, d_tile) if kv_chunk else None)
+    # the rest is decided on buffers allocated as each call allocates them
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    _, _, do_read, do_tiles, dq_out, dk_out, dv_out = buffers(dq, dk, dv, do4 if reshape else do)
+    dq4, dk4, dv4, do4, do_tiles, dq_out, dk_out, dv_out = map(
+        as_bhsd, (dq, dk, dv, do_read, do_tiles, dq_out, dk_out, dv_out))
+    use_tma = call.tma and tma_ok(do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,)))
+    sizes = (heads, heads // kv_heads, n_q, n_k)  # (then the scale, which each call passes)
+    common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
+                  USE_TMA=use_tma, PRECISION=chooser.precision(q.dtype), DP_FIRST=opts.dp_first)
+    n_prep = -(-n_q // PREP_TILE)
+    prep = dq_pass = dq_sum = kv = gluon_kv = cast = None
+    kv_sums = ()
+    if not fused:
+        prep = _PlannedLaunch(_prep_launch, (batch * heads, n_prep, 1), (o4.stride(), do4.stride(), heads, n_q), None,
+                              dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic), device)
+    if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
+        launcher, config = tiled_launch("dq", tile_config("dq", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
+                                        d_tile)
+        dq_pass = _PlannedLaunch(
+            launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
+            (q4.stride(), k4.stride(), v4.stride(), do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(),
+             *sizes), (dq_chunk,),
+            dict(**common, FUSED_PREP=fused, COPY_DO=copy_do and fused, SPLIT=bool(dq_chunk), **config), device)
+        if dq_chunk:
+            dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, device)
+    if gluon_single or (choice.gluon_kv and use_tma):
+        gluon_kv = (_gluon_config(opts, opts.gluon_kv, "kv"),
+                    dict(cached=not launch_hooks_installed(), qrows=opts.single_qrows if gluon_single else opts.kv_qrows))
+    else:
+        launcher, config = tiled_launch("kv", tile_config("kv", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
+                                        d_tile)
+        kv = _PlannedLaunch(
+            launcher, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
+            (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes),
+            (kv_chunk,), dict(**common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), **config), device)
+    if kv_chunk:
+        kv_sums = tuple(_planned_sum(out4, kv_chunks, kv_chunk, d, d_tile, is_causal, True, device)
+                        for out4 in (dk4, dv4))
+    if atomic:
+        cast = _PlannedLaunch(_cast_launch, (batch * heads, n_prep, 1), (dq4.stride(), heads, n_q), (),
+                              dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE), device)
+    launches = tuple(launch for launch in (prep, dq_pass, dq_sum, kv, *kv_sums, cast) if launch is not None)
+    return BackwardPlan(choice, buffers, reshape, d ** -0.5, use_tma, prep, dq_pass, dq_sum, kv, gluon_kv, kv_sums,
+                        cast, _SharedScratch(launches))
+
+
+def flash_backward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
+    key = plan_key((q, k, v, o, lse, do), is_causal, opts)
+    if _off_current_device(q, key):
+        with torch.cuda.device(q.device):
+            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale)
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+    scale = plan.default_scale if scale is None else float(scale)
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    if plan.reshape:
+        q, k, v, o, do = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), as_bhsd(do)
+    delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out = plan.buffers(dq, dk, dv, do)
+    if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
+        triton.set_allocator(scratch)
+    buffer = plan.scratch()
+    if plan.prep:
+        plan.prep(buffer, o, do, delta, dq_acc)
+    if plan.dq:
+        plan.dq(buffer, q, k, v, do, lse, delta, dq_out, o, do_tiles, scale=scale)
+        if plan.dq_sum:
+            plan.dq_sum(buffer, dq_out, dq)
+    if plan.kv:
+        plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
+    else:
+        config, keywords = plan.gluon_kv
+        gluon.kv_pass(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do_tiles), lse, delta, as_bhsd(dk), as_bhsd(dv),
+                      is_causal, scale, config, dq_acc=dq_acc if plan.choice.atomic else None, **keywords)
+    if plan.kv_sums:
+        dk_sum, dv_sum = plan.kv_sums
+        dk_sum(buffer, dk_out, dk)
+        dv_sum(buffer, dv_out, dv)
+    if plan.cast:
+        plan.cast(buffer, dq_acc, dq, scale=scale)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The design chosen per call: the kernels, or PyTorch on a CPU without the interpreter
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t if group == 1 else t.repeat_interleave(group, dim=-3)
+
+
+def _group(q: torch.Tensor, k: torch.Tensor) -> int:
+    return q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+
+
+def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS):
+    """(O, L): the Triton kernels, or on a CPU without the interpreter the tiled PyTorch forward."""
+    if q.device.type == "cuda" or INTERPRET:
+        return flash_forward_triton(q, k, v, is_causal, opts, scale)
+    group = _group(q, k)
+    return flash_forward_tiled(q, _repeat_kv(k, group), _repeat_kv(v, group), is_causal, CPU_Q_TILE, CPU_K_TILE,
+                               scale=scale)
+
+
+def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS):
+    """(dQ, dK, dV): the Triton kernels, or the recomputing PyTorch backward (a CPU without the interpreter, or
+    the ablation variant that keeps it). A GQA group's dK and dV are summed in fp32, then rounded once."""
+    if opts.triton_backward and (q.device.type == "cuda" or INTERPRET):
+        return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale)
+    group = _group(q, k)
+    dq, dk, dv = backward_for(q.device)(q, _repeat_kv(k, group), _repeat_kv(v, group), o, do, lse, is_causal, scale,
+                                        grad_dtype=torch.float32 if group > 1 else None)
+    if group > 1:
+        dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3).to(k.dtype)
+        dv = dv.unflatten(-3, (v.shape[-3], group)).sum(-3).to(v.dtype)
+    return dq, dk, dv

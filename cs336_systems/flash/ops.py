@@ -1,0 +1,265 @@
+"""The ops: `cs336::flash_attn_fwd` / `cs336::flash_attn_bwd` (what compiled graphs call), the autograd Function
+`FlashAttention2Triton` and the functional `flash_attention`.
+
+The two ops are `triton_op`s: torch.compile traces their bodies, and where a call runs the Triton two-pass kernels
+alone, unsplit (`chooser.inlined`: a CUDA GPU, static sizes, short of the Gluon kernels' work), Inductor launches
+the flat entry kernels itself (`wrap_triton`), with no Python of ours in the compiled call. Every other call (the
+Gluon kernels, split passes, the single pass, symbolic sizes, the CPU) goes to an opaque custom op (`..._launch`)
+running the launchers; so does an eager call of the ops. No graph break either way; CUDA graphs capture both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from cs336_systems.flash import chooser
+from cs336_systems.flash.c_launch import scratch
+from cs336_systems.flash.chooser import DEFAULT_OPTIONS, OPTIONS, KernelOptions
+from cs336_systems.flash.launch import (
+    INTERPRET, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like, tile_config,
+    tma_strides_ok, TilesGrid,
+)
+from cs336_systems.flash.triton_kernels import flash_bwd_dq_flat_kernel, flash_bwd_kv_flat_kernel, \
+    flash_fwd_flat_kernel
+from cs336_systems.flash.tuning import even_flags, padded_dim
+from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, refuse_double_backward
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether an op body runs eagerly on real tensors (not fake or functional ones, as when traced)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _tma_ok_traced(*tensors: torch.Tensor) -> bool:
+    """TMA's conditions from metadata (tensors being traced have no data): Inductor aligns what it allocates and
+    copies an input whose storage is misaligned, so the storage offset stands for the pointer."""
+    return all(t.storage_offset() * t.element_size() % 16 == 0 and tma_strides_ok(t) for t in tensors)
+
+
+def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
+    """Whether a traced call runs the flat entry kernels, launched by Inductor (`chooser.inlined`). Symbolic sizes
+    (torch.compile(dynamic=True)) take the opaque op: the flat kernels' grid and tiles would specialize every size."""
+    if q.device.type != "cuda" or INTERPRET:
+        return False
+    if any(isinstance(n, torch.SymInt) for n in (*q.shape, *k.shape)):
+        return False
+    q4, k4 = as_bhsd(q), as_bhsd(k)
+    batch, heads, n_q, d = q4.shape
+    index = q.device.index or 0
+    call = chooser.Call(batch, heads, n_q, k4.shape[2], d, is_causal, True, chooser.sm_count(index),
+                        False, False, False, False)
+    return chooser.inlined(call)
+
+
+def _flat(kernel):
+    """A flat entry kernel as an op body launches it: through `wrap_triton` (traced by Inductor; called straight
+    through otherwise), or directly under the interpreter, whose kernels `wrap_triton` does not take."""
+    return kernel if INTERPRET else torch.library.wrap_triton(kernel)
+
+
+def _strides(*tensors: torch.Tensor) -> tuple:
+    return tuple(s for t in tensors for s in t.stride())
+
+
+def _flat_config(kernel: str, q: torch.Tensor, d: int, is_causal: bool, n_q: int, n_k: int) -> dict:
+    """The tuning table's config for a flat kernel, as launch keywords (tiles, flags, warps, stages)."""
+    config = tile_config(kernel, DEFAULT_OPTIONS, q, padded_dim(d), is_causal, n_q, n_k)
+    return {**config.constexprs(), **even_flags(config, n_q, n_k, d, padded_dim(d))}
+
+
+def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) by the flat forward kernel, as `flash_forward_triton` computes them for an `_inlined` call."""
+    q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    o = empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    o4 = as_bhsd(o)
+    use_tma = chooser.tma_default(q.device.index or 0) and _tma_ok_traced(q4, k4, v4, o4)
+    if use_tma:  # for launches outside Inductor's (an eager call, aot_eager); Inductor sets its own
+        triton.set_allocator(scratch)
+    config = _flat_config("fwd", q, d, is_causal, n_q, n_k)
+    _flat(flash_fwd_flat_kernel)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
+        q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, heads // kv_heads, n_q, n_k, scale,
+        D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
+        PRECISION=chooser.precision(q.dtype), **config)
+    return o, lse
+
+
+def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
+    """(dQ, dK, dV) by the two-pass design's flat kernels (the dQ pass with the pre-pass fused, then the dK/dV
+    pass), as `flash_backward_triton` computes them for an `_inlined` call."""
+    q4, k4, v4, o4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), as_bhsd(do)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    inputs_tma = chooser.tma_default(q.device.index or 0) and _tma_ok_traced(q4, k4, v4)
+    copy_do = inputs_tma and not _tma_ok_traced(do4)  # (o.sum()'s expanded dO: see `launch.plan_backward`)
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
+    delta = q.new_empty((batch * heads, n_q), dtype=torch.float32)
+    do_tiles = as_bhsd(empty_like(do4)) if copy_do else do4
+    use_tma = inputs_tma and _tma_ok_traced(do_tiles, dq4, dk4, dv4)
+    if use_tma:
+        triton.set_allocator(scratch)
+    sizes = (heads, heads // kv_heads, n_q, n_k, scale)
+    common = dict(D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
+                  PRECISION=chooser.precision(q.dtype), DP_FIRST=True)
+    _flat(flash_bwd_dq_flat_kernel)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
+        q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, *_strides(q4, k4, v4, do4, dq4, o4, do_tiles), *sizes,
+        **common, COPY_DO=copy_do, **_flat_config("dq", q, d, is_causal, n_q, n_k))
+    _flat(flash_bwd_kv_flat_kernel)[TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE")](
+        q4, k4, v4, do_tiles, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do_tiles, dk4, dv4), *sizes, **common,
+        **_flat_config("kv", q, d, is_causal, n_q, n_k))
+    return dq, dk, dv
+
+
+@torch.library.custom_op("cs336::flash_attn_fwd_launch", mutates_args=(), device_types=None)
+def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attn_fwd` by the launchers, opaque to torch.compile."""
+    return attention_forward(q, k, v, is_causal, scale)
+
+
+@flash_attn_fwd_launch.register_fake
+def _(q, k, v, is_causal, scale):
+    return empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::flash_attn_bwd_launch", mutates_args=(), device_types=None)
+def flash_attn_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, is_causal: bool, scale: float,
+                          deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flash_attn_bwd` by the launchers, opaque to torch.compile."""
+    return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic])
+
+
+@flash_attn_bwd_launch.register_fake
+def _(do, q, k, v, o, lse, is_causal, scale, deterministic):
+    return tuple(empty_like(t) for t in (q, k, v))
+
+
+@torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H."""
+    if _plain(q):
+        return attention_forward(q, k, v, is_causal, scale)
+    if _inlined(q, k, is_causal):
+        return forward_inlined(q, k, v, is_causal, scale)
+    return flash_attn_fwd_launch(q, k, v, is_causal, scale)
+
+
+@torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, is_causal: bool, scale: float,
+                   deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design)."""
+    if _plain(q):
+        return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic])
+    if deterministic is not False and _inlined(q, k, is_causal):
+        return backward_inlined(do, q, k, v, o, lse, is_causal, scale)
+    return flash_attn_bwd_launch(do, q, k, v, o, lse, is_causal, scale, deterministic)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _op_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, deterministic_flag(None))
+    return dq, dk, dv, None, None
+
+
+flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+_launch_eagerly_forward = torch.compiler.disable(attention_forward)
+_launch_eagerly_backward = torch.compiler.disable(attention_backward)
+
+
+def deterministic_flag(flag: object) -> bool | None:
+    """The backward's `deterministic` (KernelOptions.deterministic): a bool as given; None follows
+    `torch.are_deterministic_algorithms_enabled()` (True when it is on, else None: the faster design)."""
+    if flag is None:
+        return True if torch.are_deterministic_algorithms_enabled() else None
+    return check_flag("deterministic", flag)
+
+
+def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: KernelOptions):
+    is_causal = check_attention_inputs(Q, K, V, is_causal, enable_gqa)
+    scale = check_scale(scale, Q.shape[-1])
+    deterministic = deterministic_flag(deterministic)
+    check_head_dim(Q.shape[-1])
+    if opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
+        O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts)
+    elif torch.compiler.is_compiling():
+        O, L = flash_attn_fwd(Q, K, V, is_causal, scale)
+    else:
+        O, L = attention_forward(Q, K, V, is_causal, scale)
+    ctx.save_for_backward(L, Q, K, V, O)
+    ctx.is_causal, ctx.scale, ctx.deterministic, ctx.opts = is_causal, scale, deterministic, opts
+    return O
+
+
+def _backward(ctx, dO):
+    refuse_double_backward("FlashAttention2Triton")
+    L, Q, K, V, O = ctx.saved_tensors
+    if ctx.opts is not DEFAULT_OPTIONS:
+        dQ, dK, dV = _launch_eagerly_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.opts)
+    elif torch.compiler.is_compiling():
+        dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic)
+    else:
+        dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, OPTIONS[ctx.deterministic])
+    return dQ, dK, dV, None, None, None, None
+
+
+class FlashAttention2Triton(torch.autograd.Function):
+    """FlashAttention-2: Triton forward and backward (TMA, causal tile skipping, tiles from the tuning table).
+
+    `FlashAttention2Triton.apply(Q, K, V, is_causal, scale=None, enable_gqa=False, deterministic=None)`
+    (autograd.Function.apply takes positional arguments only) with Q (..., H, Nq, D), K and V
+    (..., Hkv, Nk, D). Saves exactly one (..., H, Nq) logsumexp beside Q, K, V and O. The backward is
+    not differentiable again (double backward raises).
+    """
+
+    @staticmethod
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
+        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, DEFAULT_OPTIONS)
+
+    @staticmethod
+    def backward(ctx, dO):
+        return _backward(ctx, dO)
+
+
+def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
+    """An autograd.Function like FlashAttention2Triton that runs the kernels with `opts` (eagerly)."""
+
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
+        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts)
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(_backward),
+        "__doc__": f"FlashAttention-2 (Triton) with {opts}",
+    })
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None,
+    enable_gqa: bool = False, deterministic: bool | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale [causal]) v, like `F.scaled_dot_product_attention` without a mask or dropout.
+
+    q (..., H, Nq, D), k and v (..., Hkv, Nk, D); Hkv = H unless `enable_gqa` (then Hkv divides H and
+    each K/V head serves H / Hkv query heads). `scale` defaults to 1/sqrt(D). Causal masking is
+    top-left aligned as in SDPA: query i sees key j iff i >= j, also when Nq != Nk. Head dims up to
+    256; fp32 inputs follow `torch.get_float32_matmul_precision()` ("highest": IEEE fp32 dots, else
+    TF32). `deterministic`: True runs the two-pass backward (bitwise repeatable), False the single pass
+    (dQ added in fp32), None (default) follows `torch.are_deterministic_algorithms_enabled()`: the two-pass
+    backward when it is on, else the faster of the two for the call (`chooser.backward_design`).
+    """
+    return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic)

@@ -1,0 +1,141 @@
+"""The chooser and the tuning table: pure functions of a call's metadata, tested without running a kernel."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cs336_systems.flash import chooser, tuning
+from cs336_systems.flash.chooser import Backward, Call, Forward, KernelOptions
+from cs336_systems.flash.tuning import TableKey, TileConfig
+
+LARGE = dict(batch=1, heads=16, n_q=16384, n_k=16384)  # the leaderboard: 2^32 work
+SMALL = dict(batch=8, heads=16, n_q=1024, n_k=1024)    # 2^27 work
+
+
+def call(sizes=SMALL, d=64, causal=True, kernels=True, sms=132, tma=True, gluon=True, **layout) -> Call:
+    facts = {**dict(gluon_fwd=gluon, gluon_single=gluon, gluon_kv=gluon), **layout}
+    return Call(**sizes, d=d, causal=causal, kernels=kernels, sms=sms, tma=tma, **facts)
+
+
+@pytest.mark.parametrize("facts,opts,expected", [
+    (dict(kernels=False), {}, (Forward.PYTORCH, 0)),
+    (dict(), {}, (Forward.TRITON, 0)),                                       # short of the Gluon kernels' work
+    (dict(sizes=LARGE), {}, (Forward.GLUON, 0)),
+    (dict(sizes=LARGE, gluon=False), {}, (Forward.TRITON, 0)),              # a layout Gluon does not take
+    (dict(sizes=LARGE, tma=False), {}, (Forward.TRITON, 0)),
+    (dict(sizes=LARGE), {"gluon_fwd": False}, (Forward.TRITON, 0)),
+    (dict(), {"gluon_fwd": True}, (Forward.GLUON, 0)),                        # wherever it applies
+    (dict(sizes=dict(batch=1, heads=1, n_q=32768, n_k=32768)), {}, (Forward.TRITON_SPLIT, 16384)),  # a short grid
+    (dict(sizes=dict(batch=1, heads=1, n_q=32768, n_k=32768)), {"split_rows": 0}, (Forward.GLUON, 0)),
+], ids=["cpu", "small", "large", "large-layout", "large-no-tma", "off", "forced", "short-grid", "split-off"])
+def test_flash_chooser_forward_routes(facts, opts, expected):
+    assert chooser.forward_design(call(**facts), KernelOptions(**opts)) == expected
+
+
+@pytest.mark.parametrize("facts,opts,expected", [
+    (dict(kernels=False), {}, Backward.PYTORCH),
+    (dict(), {"triton_backward": False}, Backward.PYTORCH),
+    (dict(), {}, Backward.TRITON_TWO_PASS),
+    (dict(sizes=LARGE), {}, Backward.GLUON_SINGLE),
+    (dict(sizes=LARGE), {"deterministic": True}, Backward.TRITON_TWO_PASS),
+    (dict(sizes=LARGE, gluon_single=False), {}, Backward.TRITON_TWO_PASS),
+    (dict(), {"deterministic": False}, Backward.TRITON_SINGLE),
+    (dict(sizes=LARGE), {"deterministic": False}, Backward.GLUON_SINGLE),
+    (dict(sizes=LARGE), {"skip_masked_tiles": False}, Backward.TRITON_TWO_PASS),
+], ids=["cpu", "pytorch-variant", "small", "large", "large-deterministic", "large-layout", "atomic-small",
+        "atomic-large", "no-skip"])
+def test_flash_chooser_backward_routes(facts, opts, expected):
+    assert chooser.backward_design(call(**facts), KernelOptions(**opts)).design is expected
+
+
+def test_flash_chooser_two_pass_takes_the_gluon_kv_pass_only_unsplit_and_large():
+    deterministic = KernelOptions(deterministic=True)
+    assert chooser.backward_design(call(sizes=LARGE), deterministic).gluon_kv
+    assert not chooser.backward_design(call(), deterministic).gluon_kv
+    short = chooser.backward_design(call(sizes=dict(batch=1, heads=1, n_q=32768, n_k=32768)), deterministic)
+    assert short.kv_chunk and short.dq_chunk and not short.gluon_kv
+
+
+@pytest.mark.parametrize("facts,expected", [
+    (dict(), True), (dict(sizes=LARGE), False), (dict(kernels=False), False), (dict(sms=0), False),
+    (dict(sizes=dict(batch=1, heads=1, n_q=16384, n_k=16384)), False),  # a split pass
+])
+def test_flash_chooser_inlines_only_short_unsplit_gpu_calls(facts, expected):
+    assert chooser.inlined(call(**facts)) is expected
+
+
+def test_flash_tuning_buckets_are_powers_of_two_within_bounds():
+    assert tuning.length_bucket(1, 1) == tuning.MIN_BUCKET
+    assert tuning.length_bucket(1536, 777) == 2048 == tuning.length_bucket(2048, 100)
+    assert tuning.length_bucket(10 ** 6, 3) == tuning.MAX_BUCKET
+
+
+@pytest.mark.parametrize("dtype,precision,expected", [
+    (torch.bfloat16, "tf32", "16bit"), (torch.float16, "ieee", "16bit"), (torch.float32, "tf32", "fp32"),
+    (torch.float32, "ieee", "ieee"),
+])
+def test_flash_tuning_dtype_classes(dtype, precision, expected):
+    assert tuning.dtype_class(dtype, precision) == expected
+
+
+def test_flash_tuning_new_lengths_in_a_bucket_share_a_config():
+    """A new sequence length of a bucket gets the configs the bucket's others got: nothing to time or retune."""
+    configs = {tuning.tile_config(k, arch="sm90", d_tile=64, dtype=torch.bfloat16, precision="tf32", causal=True,
+                                  n_q=n, n_k=n, table={}) for k in tuning.KERNELS for n in (1025, 1536, 2000, 2048)}
+    assert len(configs) == len(tuning.KERNELS)
+
+
+def test_flash_tuning_fits_tiles_to_short_lengths_and_fp32_runs_smaller_tiles():
+    short = tuning.tile_config("fwd", arch="sm90", d_tile=64, dtype=torch.bfloat16, precision="tf32", causal=True,
+                               n_q=40, n_k=20, table={})
+    assert (short.q_tile, short.k_tile) == (64, 32)
+    for kernel in tuning.KERNELS:
+        for d in (64, 128, 256):
+            half = tuning.rule_config(kernel, d, "16bit")
+            full = tuning.rule_config(kernel, d, "ieee")
+            assert full.q_tile * full.k_tile <= half.q_tile * half.k_tile, (kernel, d)
+    assert tuning.tile_config("kv", arch=None, d_tile=64, dtype=torch.float32, precision="ieee", causal=False,
+                              n_q=128, n_k=128) == tuning.INTERPRETER_CONFIG
+
+
+def test_flash_tuning_table_entry_then_nearest_bucket_then_rule():
+    key = TableKey("fwd", "sm90", 64, "16bit", True, 1024)
+    table = {key: TileConfig(64, 64, 4, 2), TableKey("fwd", "sm90", 64, "16bit", True, 8192): TileConfig(128, 32, 8, 3)}
+
+    def config(n, arch="sm90"):
+        return tuning.tile_config("fwd", arch=arch, d_tile=64, dtype=torch.bfloat16, precision="tf32", causal=True,
+                                  n_q=n, n_k=n, table=table)
+
+    assert config(1024) == TileConfig(64, 64, 4, 2)
+    assert config(2048) == TileConfig(64, 64, 4, 2)      # 1024 is one bucket away, 8192 two
+    assert config(16384) == TileConfig(128, 32, 8, 3)
+    assert config(1024, arch="sm80") == tuning.rule_config("fwd", 64, "16bit")
+
+
+def test_flash_tuning_loads_the_table_file(tmp_path):
+    path = tmp_path / "table.json"
+    entry = dict(kernel="kv", arch="sm90", d=128, dtype="16bit", causal=False, bucket=4096, config=[32, 64, 4, 3])
+    path.write_text(json.dumps({"measured": [{"gpu": "NVIDIA H200"}], "entries": [entry]}))
+    assert tuning.load_table(path) == {TableKey("kv", "sm90", 128, "16bit", False, 4096): TileConfig(32, 64, 4, 3)}
+    assert tuning.load_table(tmp_path / "missing.json") == {}
+
+
+def test_flash_tuning_shipped_table_names_known_kernels_and_its_provenance():
+    if not tuning.TABLE_PATH.exists():
+        pytest.skip("no tuning table shipped")
+    data = json.loads(tuning.TABLE_PATH.read_text())
+    assert data["measured"] and all(m.get("gpu") and m.get("commit") for m in data["measured"])
+    for key, config in tuning.load_table().items():
+        assert key.kernel in tuning.KERNELS and key.dclass in ("16bit", "fp32", "ieee"), key
+        assert config.q_tile >= tuning.MIN_TILE and config.k_tile >= tuning.MIN_TILE, (key, config)
+
+
+def test_flash_fixed_config_variants():
+    assert KernelOptions().fixed_config("fwd") is None
+    assert KernelOptions(autotune=True).fixed_config("fwd") is None
+    assert KernelOptions(autotune=False).fixed_config("kv") == tuning.FIXED_CONFIG
+    given = KernelOptions(autotune=False, configs=(("kv", (32, 64, 4, 3)),))
+    assert given.fixed_config("kv") == TileConfig(32, 64, 4, 3) and given.fixed_config("fwd") == tuning.FIXED_CONFIG
