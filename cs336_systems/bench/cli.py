@@ -29,6 +29,7 @@ from cs336_systems.bench import (
     allreduce,
     attention,
     autotune,
+    coldstart,
     ddp,
     flash,
     leaderboard,
@@ -40,7 +41,8 @@ from cs336_systems.bench import (
 )
 
 PROBLEMS: dict[str, ModuleType] = {
-    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources, allreduce, ddp)
+    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, coldstart, resources, allreduce,
+                        ddp)
 }
 DEFAULT_OUT = Path("runs")
 
