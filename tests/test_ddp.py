@@ -308,3 +308,18 @@ def test_remove_hooks_stops_synchronization(single_rank_group, make):
     ddp.remove_hooks()
     ddp(torch.randn(2, 4)).sum().backward()
     assert ddp.num_pending == 0
+
+
+def test_adapters_take_the_course_keyword_names(single_rank_group):
+    """The course's tests call every adapter by keyword, with the names of its tests/adapters.py."""
+    model = nn.Linear(4, 3)
+    optimizer = adapters.get_sharded_optimizer(params=model.parameters(), optimizer_cls=torch.optim.SGD, lr=0.1)
+    for ddp_model, after_backward in (
+        (adapters.get_ddp_individual_parameters(module=model), adapters.ddp_individual_parameters_on_after_backward),
+        (adapters.get_ddp_bucketed(module=model, bucket_size_mb=1.0), adapters.ddp_bucketed_on_after_backward),
+    ):
+        adapters.ddp_bucketed_on_train_batch_start(ddp_model=ddp_model, optimizer=optimizer)
+        ddp_model(torch.randn(2, 4)).sum().backward()
+        after_backward(ddp_model=ddp_model, optimizer=optimizer)
+        optimizer.step()
+        ddp_model.remove_hooks()
