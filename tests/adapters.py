@@ -26,9 +26,9 @@ def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
     return DDPIndividualParameters(module)
 
 
-def ddp_individual_parameters_on_after_backward(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After backward, before the optimizer step: wait for the gradient all-reduces."""
-    model.finish_gradient_synchronization()
+    ddp_model.finish_gradient_synchronization()
 
 
 def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn.Module:
@@ -38,14 +38,14 @@ def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn
     return DDPBucketed(module, bucket_size_mb)
 
 
-def ddp_bucketed_on_after_backward(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def ddp_bucketed_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After backward, before the optimizer step: wait for the bucket all-reduces."""
-    model.finish_gradient_synchronization()
+    ddp_model.finish_gradient_synchronization()
 
 
-def ddp_bucketed_on_train_batch_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Before each batch: reset the buckets' per-step state."""
-    model.on_train_batch_start()
+    ddp_model.on_train_batch_start()
 
 
 def get_sharded_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:

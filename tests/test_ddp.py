@@ -11,11 +11,16 @@ The training loops use a few lines of SGD with momentum instead of `torch.optim.
 `torch.optim.Optimizer` imports torch._dynamo on construction (seconds per spawned rank), and the
 wrappers do not care which optimizer follows them.
 
+The same launch checks that a layer unfrozen after wrapping is synchronized (the `unfreeze` model),
+that sparse gradients are averaged (the `sparse` model; the bucketed wrapper refuses it), and that
+BatchNorm's running statistics follow rank 0's as under PyTorch's DDP (`broadcast_buffers`).
+
 Input checks (bucket size, device, missing process group) run in this process.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -45,19 +50,25 @@ VARIANTS = [
     ("bucketed", 4e-4),
     ("bucketed", 100.0),
 ]
-MODELS = ("toy", "tied")
+# toy: ToyModel; tied: embedding and output share a weight; unfreeze: ToyModel whose fc1 is frozen at
+# wrapping and unfrozen before step UNFREEZE_AT; sparse: an Embedding(sparse=True), not tied.
+MODELS = ("toy", "tied", "unfreeze", "sparse")
+UNFREEZE_AT = 1
+CASES = [(kind, *v) for kind in MODELS for v in VARIANTS if not (kind == "sparse" and v[0] == "bucketed")]
 
 
-class TiedModel(nn.Module):
-    """Embedding and output projection share one Parameter (registered under two names)."""
+class EmbeddingModel(nn.Module):
+    """Embedding and output projection share one Parameter (registered under two names), or, with `sparse`,
+    an embedding with sparse gradients and a separate output projection."""
 
-    def __init__(self, vocab: int = 12, d: int = 6) -> None:
+    def __init__(self, vocab: int = 12, d: int = 6, sparse: bool = False) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, d)
+        self.embed = nn.Embedding(vocab, d, sparse=sparse)
         self.hidden = nn.Linear(d, d)
         self.frozen_bias = nn.Parameter(torch.randn(d), requires_grad=False)
         self.out = nn.Linear(d, vocab, bias=False)
-        self.out.weight = self.embed.weight
+        if not sparse:
+            self.out.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.hidden(self.embed(x))) + self.frozen_bias)
@@ -93,13 +104,18 @@ class SGDMomentum:
 
 def make_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return (ToyModel() if kind == "toy" else TiedModel()).double()
+    if kind in ("toy", "unfreeze"):
+        model = ToyModel()
+        model.fc1.requires_grad_(kind == "toy")
+    else:
+        model = EmbeddingModel(sparse=kind == "sparse")
+    return model.double()
 
 
 def make_batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of every step (identical in every process)."""
     g = torch.Generator().manual_seed(1234)
-    if kind == "toy":
+    if kind in ("toy", "unfreeze"):
         return [
             (torch.randn(GLOBAL_BATCH, 10, generator=g, dtype=torch.float64),
              torch.randn(GLOBAL_BATCH, 8, generator=g, dtype=torch.float64))
@@ -111,14 +127,15 @@ def make_batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def wrap(variant: str, bucket_mb: float | None, model: nn.Module) -> nn.Module:
+def wrap(variant: str, bucket_mb: float | None, model: nn.Module, **kwargs) -> nn.Module:
+    """The variant's wrapper; the adapters where the course has one (they take no options)."""
     if variant == "naive":
-        return NaiveDDP(model)
+        return NaiveDDP(model, **kwargs)
     if variant == "flat":
-        return FlatDDP(model)
+        return FlatDDP(model, **kwargs)
     if variant == "individual":
-        return adapters.get_ddp_individual_parameters(model)
-    return adapters.get_ddp_bucketed(model, bucket_mb)
+        return DDPIndividualParameters(model, **kwargs) if kwargs else adapters.get_ddp_individual_parameters(model)
+    return DDPBucketed(model, bucket_mb, **kwargs) if kwargs else adapters.get_ddp_bucketed(model, bucket_mb)
 
 
 def train_ddp(ctx, kind: str, variant: str, bucket_mb: float | None) -> dict:
@@ -126,11 +143,13 @@ def train_ddp(ctx, kind: str, variant: str, bucket_mb: float | None) -> dict:
     model = make_model(kind, seed=100 + ctx.rank)  # different on every rank: the broadcast must fix it
     ddp = wrap(variant, bucket_mb, model)
     after_broadcast = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = SGDMomentum(p for p in ddp.parameters() if p.requires_grad)
+    optimizer = SGDMomentum(ddp.parameters())
     per_rank = GLOBAL_BATCH // ctx.world_size
     pending_after_backward = []
-    for x, y in make_batches(kind):
+    for step, (x, y) in enumerate(make_batches(kind)):
         x, y = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        if kind == "unfreeze" and step == UNFREEZE_AT:
+            model.fc1.requires_grad_(True)
         if variant == "bucketed":
             adapters.ddp_bucketed_on_train_batch_start(ddp, optimizer)
         optimizer.zero_grad()
@@ -146,7 +165,7 @@ def train_ddp(ctx, kind: str, variant: str, bucket_mb: float | None) -> dict:
     return {
         "after_broadcast": after_broadcast,
         "final": {k: v.clone() for k, v in model.state_dict().items()},
-        "unused_grad_is_none": kind == "toy" and all(p.grad is None for p in model.unused.parameters()),
+        "unused_grad_is_none": all(p.grad is None for n, p in model.named_parameters() if n.startswith("unused.")),
         "pending_after_backward": pending_after_backward,
         "n_buckets": len(ddp.buckets) if variant == "bucketed" else None,
         "n_params": len(ddp.params),
@@ -154,15 +173,45 @@ def train_ddp(ctx, kind: str, variant: str, bucket_mb: float | None) -> dict:
 
 
 def all_variants_worker(ctx) -> dict:
-    return {(kind, variant, mb): train_ddp(ctx, kind, variant, mb) for kind in MODELS for variant, mb in VARIANTS}
+    results = {case: train_ddp(ctx, *case) for case in CASES}
+    for broadcast in (True, False):
+        for variant, mb in VARIANTS:
+            results[("batchnorm", variant, mb, broadcast)] = train_batchnorm(
+                ctx, functools.partial(wrap, variant, mb, broadcast_buffers=broadcast))
+        results[("batchnorm", "torch_ddp", broadcast)] = train_batchnorm(
+            ctx, functools.partial(nn.parallel.DistributedDataParallel, broadcast_buffers=broadcast))
+    return results
+
+
+def train_batchnorm(ctx, make_ddp) -> dict:
+    """A BatchNorm model trained on this rank's half of each batch; its final parameters and buffers."""
+    model = make_batchnorm_model(seed=100 + ctx.rank)
+    ddp = make_ddp(model)
+    optimizer = SGDMomentum(model.parameters())
+    per_rank = GLOBAL_BATCH // ctx.world_size
+    for x, y in make_batches("toy"):
+        x, y = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        optimizer.zero_grad()
+        ToyModel.loss(ddp(x), y).backward()
+        if hasattr(ddp, "finish_gradient_synchronization"):
+            ddp.finish_gradient_synchronization()
+        optimizer.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def make_batchnorm_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8)).double()
 
 
 def train_single_process(kind: str) -> tuple[dict, dict]:
     """Reference: rank 0's initial model trained on the whole batch in this process."""
     model = make_model(kind, seed=100)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = SGDMomentum(p for p in model.parameters() if p.requires_grad)
-    for x, y in make_batches(kind):
+    optimizer = SGDMomentum(model.parameters())
+    for step, (x, y) in enumerate(make_batches(kind)):
+        if kind == "unfreeze" and step == UNFREEZE_AT:
+            model.fc1.requires_grad_(True)
         optimizer.zero_grad()
         type(model).loss(model(x), y).backward()
         optimizer.step()
@@ -183,15 +232,15 @@ def variant_id(v: tuple[str, float | None]) -> str:
     return v[0] if v[1] is None else f"{v[0]}-{v[1]:g}MiB"
 
 
-@pytest.mark.parametrize("kind", MODELS)
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_ddp_matches_single_process(ddp_results, references, kind, variant):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{variant_id(c[1:])}")
+def test_ddp_matches_single_process(ddp_results, references, case):
+    kind = case[0]
     init, expected = references[kind]
     # The reference must actually move (else the comparison proves nothing), except frozen tensors.
     moved = [k for k in expected if not torch.equal(init[k], expected[k])]
     assert "fc1.weight" in moved or "embed.weight" in moved
     for rank, results in enumerate(ddp_results):
-        result = results[(kind, *variant)]
+        result = results[case]
         for name, value in result["after_broadcast"].items():
             torch.testing.assert_close(value, init[name], rtol=0, atol=0, msg=f"rank {rank} {name} after broadcast")
         for name, value in result["final"].items():
@@ -199,13 +248,26 @@ def test_ddp_matches_single_process(ddp_results, references, kind, variant):
         for name in ("frozen", "scale", "frozen_bias", "unused.weight", "unused.bias"):
             if name in init:
                 assert torch.equal(result["final"][name], init[name]), f"{name} changed"
-        if kind == "toy":
-            assert result["unused_grad_is_none"]
+        assert result["unused_grad_is_none"]
         if kind == "tied":
             assert result["n_params"] == 3  # embed/out weight once, hidden weight and bias
 
 
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast_buffers", "local_buffers"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_buffers_follow_pytorch_ddp(ddp_results, variant, broadcast):
+    """Every rank's BatchNorm statistics and weights end where PyTorch's DDP with the same setting leaves them."""
+    for rank, results in enumerate(ddp_results):
+        expected = results[("batchnorm", "torch_ddp", broadcast)]
+        for name, value in results[("batchnorm", *variant, broadcast)].items():
+            torch.testing.assert_close(value, expected[name], **TOL, msg=f"rank {rank} {name}")
+    # The setting matters on rank 1 (rank 0 is the source), so the comparison can fail.
+    rank1 = ddp_results[1]
+    assert not torch.equal(rank1[("batchnorm", "torch_ddp", True)]["1.running_mean"],
+                           rank1[("batchnorm", "torch_ddp", False)]["1.running_mean"])
+
+
+@pytest.mark.parametrize("kind", ("toy", "tied"))
 def test_overlapped_variants_communicate_during_backward(ddp_results, kind):
     """Right after backward() returns, the overlapped wrappers have already launched their all-reduces."""
     for results in ddp_results:
@@ -308,3 +370,41 @@ def test_remove_hooks_stops_synchronization(single_rank_group, make):
     ddp.remove_hooks()
     ddp(torch.randn(2, 4)).sum().backward()
     assert ddp.num_pending == 0
+
+
+def test_adapters_take_the_course_keyword_names(single_rank_group):
+    """The course's tests call every adapter by keyword, with the names of its tests/adapters.py."""
+    model = nn.Linear(4, 3)
+    optimizer = adapters.get_sharded_optimizer(params=model.parameters(), optimizer_cls=torch.optim.SGD, lr=0.1)
+    for ddp_model, after_backward in (
+        (adapters.get_ddp_individual_parameters(module=model), adapters.ddp_individual_parameters_on_after_backward),
+        (adapters.get_ddp_bucketed(module=model, bucket_size_mb=1.0), adapters.ddp_bucketed_on_after_backward),
+    ):
+        adapters.ddp_bucketed_on_train_batch_start(ddp_model=ddp_model, optimizer=optimizer)
+        ddp_model(torch.randn(2, 4)).sum().backward()
+        after_backward(ddp_model=ddp_model, optimizer=optimizer)
+        optimizer.step()
+        ddp_model.remove_hooks()
+
+
+def test_bucketed_refuses_sparse_gradients(single_rank_group):
+    with pytest.raises(ValueError, match=r"sparse gradients of 'embed'.*NaiveDDP"):
+        DDPBucketed(EmbeddingModel(sparse=True), 1.0)
+
+    class FunctionalSparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(5, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.embedding(x, self.weight, sparse=True)
+
+    ddp = DDPBucketed(FunctionalSparse(), 1.0)
+    with pytest.raises(RuntimeError, match="sparse.*NaiveDDP"):
+        ddp(torch.tensor([0, 3])).sum().backward()
+
+
+@pytest.mark.parametrize("make", [NaiveDDP, lambda m, **kw: DDPBucketed(m, 1.0, **kw)])
+def test_broadcast_buffers_must_be_a_bool(make):
+    with pytest.raises(TypeError, match="broadcast_buffers"):
+        make(nn.Linear(2, 2), broadcast_buffers="no")

@@ -4,11 +4,16 @@ One launch of two ranks (module fixture) runs every scenario and returns each ra
 and its shard; the tests compare with the plain optimizer run in this process. Without DDP every
 rank sees the same batch, so sharded and unsharded runs do the same arithmetic per parameter and
 must agree bit for bit; with DDP (half a batch per rank) they agree to float64 rounding.
+Scenarios: parameter groups whose lr changes mid-run, a group added mid-run, SGD behind DDP, one
+parameter for two ranks, a run resumed from a checkpoint (AdamW + StepLR) against an uninterrupted
+one, and a layer unfrozen mid-run behind DDP.
 
 Input checks run in this process.
 """
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -25,12 +30,17 @@ WORLD_SIZE = 2
 STEPS = 5
 BATCH = 8
 TOL = dict(rtol=1e-10, atol=1e-12)
-SCENARIOS = ("groups", "add_group", "ddp_sgd", "one_param")
+SCENARIOS = ("groups", "add_group", "ddp_sgd", "one_param", "resume", "unfreeze")
+DDP_SCENARIOS = ("ddp_sgd", "unfreeze")
+RESUME_AT = 3  # StepLR has already lowered the lr: the resumed run must not restart from the initial one
+UNFREEZE_AT = 2
 
 
 def make_model(scenario: str) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Linear(10, 4, bias=False) if scenario == "one_param" else ToyModel(out_features=4, extras=False)
+    if scenario == "unfreeze":
+        model.fc1.requires_grad_(False)
     return model.double()
 
 
@@ -44,7 +54,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def build_optimizer(scenario: str, model: nn.Module, make):
     """`make(params, optimizer_cls, **kwargs)`: the plain constructor or the sharded one."""
-    if scenario == "groups":
+    if scenario in ("groups", "resume"):
         return make(
             [
                 {"params": model.fc1.parameters(), "lr": 3e-2, "weight_decay": 0.1},
@@ -66,33 +76,59 @@ def plain(params, optimizer_cls, **kwargs):
     return optimizer_cls(params, **kwargs)
 
 
-def train(scenario: str, make, rank: int = 0, world_size: int = 1, ddp: bool = False) -> tuple[nn.Module, object]:
-    """The scenario's training loop; with `ddp`, each rank trains on its slice of every batch."""
+def train(
+    scenario: str, make, rank: int = 0, world_size: int = 1, ddp: bool = False, resume_at: int | None = None
+) -> tuple[nn.Module, object]:
+    """The scenario's training loop; with `ddp`, each rank trains on its slice of every batch; at step
+    `resume_at`, the model, optimizer and scheduler are rebuilt from a checkpoint."""
     model = make_model(scenario)
     net = DDPBucketed(model, 1e-4) if ddp else model
     optimizer = build_optimizer(scenario, model, make)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scenario == "resume" else None
     per_rank = BATCH // world_size
     for step, (x, y) in enumerate(batches()):
         if ddp:
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        if step == resume_at:
+            model, optimizer, scheduler = resume(scenario, make, model, optimizer, scheduler)
+            net = model
         if step == 2 and scenario == "groups":
             optimizer.param_groups[1]["lr"] = 2e-3  # a schedule changes a group's lr mid-run
         if step == 2 and scenario == "add_group":  # unfreeze more of the model mid-run
             optimizer.add_param_group({"params": [*model.fc1.parameters(), *model.norm.parameters()], "lr": 5e-3})
+        if step == UNFREEZE_AT and scenario == "unfreeze":  # requires_grad only: the optimizer has it already
+            model.fc1.requires_grad_(True)
         optimizer.zero_grad()
         ((net(x) - y) ** 2).mean().backward()
         if ddp:
             net.finish_gradient_synchronization()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     return model, optimizer
+
+
+def resume(scenario: str, make, model: nn.Module, optimizer, scheduler):
+    """A fresh model, optimizer and scheduler loaded from a checkpoint of these, through torch.save."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model = make_model(scenario)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = build_optimizer(scenario, model, make)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    return model, optimizer, scheduler
 
 
 def sharded_worker(ctx) -> dict:
     out = {}
     for scenario in SCENARIOS:
-        model, optimizer = train(
-            scenario, adapters.get_sharded_optimizer, ctx.rank, ctx.world_size, ddp=scenario == "ddp_sgd"
-        )
+        model, optimizer = train(scenario, adapters.get_sharded_optimizer, ctx.rank, ctx.world_size,
+                                 ddp=scenario in DDP_SCENARIOS, resume_at=RESUME_AT if scenario == "resume" else None)
         names = {id(p): n for n, p in model.named_parameters()}
         local = optimizer.local_optimizer
         out[scenario] = {
@@ -113,7 +149,7 @@ def sharded_results() -> list[dict]:
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_sharded_matches_unsharded(sharded_results, scenario):
-    model, _ = train(scenario, plain)
+    model, _ = train(scenario, plain)  # uninterrupted, on the whole batch
     expected = model.state_dict()
     init = make_model(scenario).state_dict()
     assert any(not torch.equal(init[k], expected[k]) for k in expected)
@@ -125,7 +161,10 @@ def test_sharded_matches_unsharded(sharded_results, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_each_parameter_has_one_owner_and_state_lives_there(sharded_results, scenario):
     model = make_model(scenario)
-    given = {n: p for n, p in model.named_parameters() if scenario in ("ddp_sgd", "one_param") or p.requires_grad}
+    if scenario == "unfreeze":
+        model.fc1.requires_grad_(True)  # as at the end of the run
+    all_params = scenario in (*DDP_SCENARIOS, "one_param")  # the optimizer got model.parameters()
+    given = {n: p for n, p in model.named_parameters() if all_params or p.requires_grad}
     owned = [set(r[scenario]["owned"]) for r in sharded_results]
     assert set.union(*owned) == set(given) and sum(map(len, owned)) == len(given)
     for results, mine in zip(sharded_results, owned):
@@ -162,8 +201,39 @@ def test_bad_parameters(single_rank_group):
     optimizer = ShardedOptimizer([layer.weight], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="more than one"):
         optimizer.add_param_group({"params": [layer.weight]})
-    with pytest.raises(NotImplementedError, match="shard"):
-        optimizer.state_dict()
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        optimizer.load_state_dict([])
+    with pytest.raises(ValueError, match="lacks"):
+        optimizer.load_state_dict({"state": {}})
+    with pytest.raises(ValueError, match=r"sizes \[2\].*sizes \[1\]"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.1}]})
+    other_shard = optimizer.state_dict()
+    other_shard["shard"] = {"rank": 1, "world_size": 2, "params": []}
+    with pytest.raises(ValueError, match=r"shard of rank 1 of 2.*parameters \[0\]"):
+        optimizer.load_state_dict(other_shard)
+
+
+def test_loads_a_plain_optimizer_state_dict(single_rank_group):
+    """A checkpoint of unsharded training resumes under the sharded optimizer: state and lr come back."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    plain_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(x).sum().backward()
+    plain_optimizer.step()
+    plain_optimizer.param_groups[0]["lr"] = 3e-3
+    sharded = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    sharded.load_state_dict(plain_optimizer.state_dict())
+    assert sharded.param_groups[0]["lr"] == 3e-3
+    before = [p.clone() for p in model.parameters()]
+    sharded.step()
+    expected = [p.clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), before):
+            p.copy_(value)
+    plain_optimizer.step()
+    for p, value in zip(model.parameters(), expected):
+        torch.testing.assert_close(p, value, **TOL)
 
 
 def test_single_rank_owns_everything(single_rank_group):

@@ -12,6 +12,10 @@ algorithm bandwidth = bytes / time; bus bandwidth = algorithm bandwidth x 2(n-1)
 each link of a ring carries, comparable across world sizes and with the hardware's link speed.
 Rank 0 hands each result to this process as soon as it has it; one JSONL row per (backend, world
 size, size). NVLink multicast (NVLS) stays off in every rank.
+
+Under torchrun (e.g. `torchrun --nnodes 2 --nproc-per-node 8 ... -m cs336_systems.bench.cli allreduce`)
+no ranks are spawned: each process joins torchrun's job as its rank, the run is that job's one backend
+and world size, and rank 0 records the rows.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ MB = 10**6
 NUMBER = (int, float)
 FIELDS = {"backend": str, "world_size": int, "size_mb": NUMBER, "iters": int, "warmup_iters": int}
 OK_FIELDS = {"ms": NUMBER, "algbw_gbps": NUMBER, "busbw_gbps": NUMBER}
-# A row's identity: the shared key plus what this problem varies.
-KEY = (*KEY_FIELDS, "backend", "world_size", "size_mb")
+# A row's identity: the shared key plus what this problem varies. `variant` only labels the progress line with
+# the size and world size (rows recorded before it existed lack it), so it is left out.
+KEY = (*(f for f in KEY_FIELDS if f != "variant"), "backend", "world_size", "size_mb")
 MAX_ERROR_CHARS = 300
 
 
@@ -61,7 +66,21 @@ def gpu_count() -> int:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     """(backend, world size) runs in order; ValueError for what this host cannot run."""
+    from cs336_systems.distributed.launch import torchrun_place
+
     gpus = gpu_count()
+    place = torchrun_place()
+    if place is not None:  # one process group, already sized by torchrun
+        backends = args.backends or ["nccl" if gpus else "gloo"]
+        if len(backends) > 1:
+            raise ValueError("--backends: a torchrun job is one process group; pass one backend")
+        if args.world_sizes and set(args.world_sizes) != {place.world_size}:
+            raise ValueError(f"--world-sizes: torchrun started {place.world_size} ranks")
+        if place.world_size < 2:
+            raise ValueError("an all-reduce needs at least 2 ranks; torchrun started 1")
+        if backends[0] == "nccl" and place.local_world_size > gpus:
+            raise ValueError(f"NCCL: torchrun started {place.local_world_size} ranks on this host, which has {gpus} GPU(s)")
+        return [(backends[0], place.world_size)]
     backends = args.backends or (["nccl", "gloo"] if gpus else ["gloo"])
     runs = []
     for backend in backends:
@@ -94,18 +113,20 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
-    from cs336_systems.distributed.launch import WorkerError, launch
+    from cs336_systems.distributed.launch import WorkerError, run_ranks, torchrun_place
 
+    joining = torchrun_place() is not None
     done = {key_of(r, KEY) for r in read_rows(rec.path) if r.get("status") in ("ok", "oom")} if args.resume else set()
     for backend, world_size in plan(args):
         fields = {
             size_mb: dict(impl=backend, mode="all_reduce", dtype="fp32", backend=backend, world_size=world_size,
                           size_mb=size_mb, device="cuda" if backend == "nccl" else "cpu",
-                          iters=args.iters, warmup_iters=args.warmup_iters)
+                          iters=args.iters, warmup_iters=args.warmup_iters,
+                          variant=f"{size_mb:g} MB, {world_size} ranks")
             for size_mb in dict.fromkeys(args.sizes_mb)
         }
         todo = [mb for mb, f in fields.items() if key_of(rec.base_row(f), KEY) not in done]
-        if not todo:
+        if not todo and not joining:  # under torchrun every rank joins: rank 0's plan, not this one's, decides
             continue
         written: set[float] = set()
 
@@ -114,8 +135,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             rec.write({**rec.base_row(fields[result["size_mb"]]), **result["metrics"], "status": "ok"})
 
         try:
-            launch(allreduce_worker, world_size, (todo, args.warmup_iters, args.iters), backend=backend,
-                   timeout_s=args.timeout_s, num_threads=1 if args.smoke else None, on_message=on_message)
+            run_ranks(allreduce_worker, world_size, (todo, args.warmup_iters, args.iters), backend=backend,
+                      timeout_s=args.timeout_s, num_threads=1 if args.smoke else None, on_message=on_message)
         except (WorkerError, TimeoutError) as e:
             print(f"[{NAME}] {backend} x {world_size}: {e}", file=sys.stderr)
             status = f"error: {type(e).__name__}: {' '.join(str(e).split())[-MAX_ERROR_CHARS:]}"

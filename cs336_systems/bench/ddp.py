@@ -25,6 +25,10 @@ inside backward, so its sync is ~0; compare every variant's step with `local` fo
 communication overhead. Memory per rank (MiB, torch.cuda allocator): allocated before the variant
 is built (what earlier variants left behind), after the model, wrapper and optimizer are built, peak up to just before the optimizer step, peak including it, and
 allocated after it (optimizer state exists from the first step on).
+
+Under torchrun (e.g. `torchrun --nnodes 2 --nproc-per-node 8 ... -m cs336_systems.bench.cli ddp`) no
+ranks are spawned: each process joins torchrun's job as its rank, the world size is the job's, and
+rank 0 records the rows.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ LABELS = {
 }
 MAX_ERROR_CHARS = 300
 LR = 1e-4
+DEFAULT_WORLD_SIZE = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,26 +81,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-bucket-mb", type=positive_float, default=100.0,
                    help="bucket size (MiB) of the bucketed DDP used for the sharded-optimizer comparison")
     p.add_argument("--no-sharding", action="store_true", help="skip the sharded-optimizer run")
-    p.add_argument("--world-size", type=positive_int, default=2, help="ranks (one GPU each under NCCL)")
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help=f"ranks (one GPU each under NCCL; default: {DEFAULT_WORLD_SIZE}, or under torchrun the job's)")
     p.add_argument("--timeout-s", type=positive_float, default=540.0,
                    help="stop every rank and record errors after this long")
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    """--world-size, or under torchrun the job's size (ValueError when the two differ)."""
+    from cs336_systems.distributed.launch import torchrun_place
+
+    place = torchrun_place()
+    if place is None:
+        return args.world_size or DEFAULT_WORLD_SIZE
+    if args.world_size not in (None, place.world_size):
+        raise ValueError(f"--world-size {args.world_size}: torchrun started {place.world_size} ranks")
+    return place.world_size
 
 
 def backend_for(args: argparse.Namespace) -> str:
     """NCCL with one GPU per rank; Gloo on the CPU only for --smoke; ValueError otherwise."""
     import torch
 
+    from cs336_systems.distributed.launch import torchrun_place
+
+    world_size = world_size_of(args)
+    place = torchrun_place()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.world_size < 2:
+    if world_size < 2:
         raise ValueError("--world-size: data parallelism needs at least 2 ranks")
-    if gpus >= args.world_size:
+    if gpus >= (world_size if place is None else place.local_world_size):
         return "nccl"
     if args.smoke and gpus == 0:
         return "gloo"
+    if place is not None:
+        raise ValueError(f"torchrun started {place.local_world_size} ranks on this host, which has {gpus} GPU(s)")
     raise ValueError(
-        f"--world-size {args.world_size}: NCCL runs one rank per GPU and this host has {gpus} GPU(s); "
+        f"--world-size {world_size}: NCCL runs one rank per GPU and this host has {gpus} GPU(s); "
         f"pass --world-size {gpus} or less" if gpus >= 2 else
-        f"--world-size {args.world_size}: needs {args.world_size} GPUs, this host has {gpus}"
+        f"--world-size {world_size}: needs {world_size} GPUs, this host has {gpus}"
     )
 
 
@@ -121,17 +145,22 @@ def runs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:
-    from cs336_systems.distributed.launch import WorkerError, launch
+    from cs336_systems.distributed.launch import WorkerError, run_ranks, torchrun_place
 
     backend = backend_for(args)
-    common = dict(mode="train_step", dtype="fp32", backend=backend, world_size=args.world_size,
+    world_size = world_size_of(args)
+    place = torchrun_place()
+    common = dict(mode="train_step", dtype="fp32", backend=backend, world_size=world_size,
                   model_size=args.model_size, context_length=args.context_length, batch=args.batch,
                   vocab=args.vocab, steps=args.steps, warmup_steps=args.warmup_steps)
     done = {key_of(r, KEY) for r in read_rows(rec.path) if r.get("status") in ("ok", "oom")} if args.resume else set()
     todo = [{**common, **r} for r in runs_of(args)]
     todo = [f for f in todo if key_of(rec.base_row(f), KEY) not in done]
-    if not todo:
+    if not todo and place is None:  # under torchrun every rank joins: rank 0's plan, not this one's, decides
         return 0
+    if place is None or place.rank == 0:
+        print(f"[{NAME}] {world_size} ranks ({backend}), model {args.model_size}, {args.batch} x "
+              f"{args.context_length} tokens per rank: {len(todo)} variant(s)", flush=True)
     written: set[int] = set()
 
     def on_message(rank: int, result: dict) -> None:
@@ -141,8 +170,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     setup = dict(model_size=args.model_size, context_length=args.context_length, batch=args.batch,
                  vocab=args.vocab, steps=args.steps, warmup_steps=args.warmup_steps)
     try:
-        launch(ddp_worker, args.world_size, (setup, todo), backend=backend, timeout_s=args.timeout_s,
-               num_threads=1 if args.smoke else None, on_message=on_message)
+        run_ranks(ddp_worker, world_size, (setup, todo), backend=backend, timeout_s=args.timeout_s,
+                  num_threads=1 if args.smoke else None, on_message=on_message)
     except (WorkerError, TimeoutError) as e:
         print(f"[{NAME}] {e}", file=sys.stderr)
         status = f"error: {type(e).__name__}: {' '.join(str(e).split())[-MAX_ERROR_CHARS:]}"

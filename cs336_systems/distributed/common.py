@@ -76,8 +76,13 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
-    """Overwrite every parameter (trainable or frozen) and buffer with rank `src`'s values."""
-    handles = [dist.broadcast(t.data, src=src, async_op=True) for t in module_tensors(module)]
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Overwrite each tensor with rank `src`'s values (all broadcasts in flight at once)."""
+    handles = [dist.broadcast(t.data, src=src, async_op=True) for t in tensors]
     for handle in handles:
         handle.wait()
+
+
+def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
+    """Overwrite every parameter (trainable or frozen) and buffer with rank `src`'s values."""
+    broadcast_tensors(module_tensors(module), src)

@@ -6,18 +6,22 @@ frozen) and buffers from rank 0, so every replica starts identical. After `loss.
 training loop calls `finish_gradient_synchronization()`, and then every parameter that received a
 gradient holds the average of that gradient over the ranks (a SUM all-reduce and a division by the
 world size: Gloo has no AVG op; the overlapped variants divide before the all-reduce, inside the
-hook, so that the scaling pass overlaps the backward pass too). Parameters with `requires_grad=False` are never communicated;
-a tied parameter (one `Parameter` registered under several names) is one tensor, synchronized once.
+hook, so that the scaling pass overlaps the backward pass too). Parameters with `requires_grad=False` are never
+communicated; a tied parameter (one `Parameter` registered under several names) is one tensor, synchronized once.
+Every forward with grad enabled re-reads which parameters require grad, so a layer unfrozen after wrapping is
+synchronized from that step on (starting from rank 0's values), and broadcasts the buffers from rank 0 unless
+`broadcast_buffers=False`, as PyTorch's DDP does.
 
 - `NaiveDDP`: after backward, one blocking all-reduce per parameter gradient.
-- `FlatDDP`: after backward, one blocking all-reduce of all gradients concatenated (one per dtype).
+- `FlatDDP`: after backward, one blocking all-reduce of all gradients concatenated (one per dtype;
+  a sparse gradient on its own).
 - `DDPIndividualParameters`: a post-accumulate-grad hook per parameter launches an async
   all-reduce as soon as that gradient is final; the handles are waited for in
   `finish_gradient_synchronization()`, so communication overlaps the rest of the backward pass.
 - `DDPBucketed`: parameters in reverse registration order (roughly the order their gradients become
   ready) are packed into buckets of at most `bucket_size_mb` MiB (a larger parameter gets a bucket of
   its own); hooks copy each gradient into its bucket's flat buffer and launch one async all-reduce per
-  bucket once all of its gradients are in.
+  bucket once all of its gradients are in. Modules with sparse gradients are refused at wrapping.
 
 The hooks hold the wrapper only through a weak reference: a hook registered on a parameter lives in
 autograd's C++ structures, where a strong reference back to the wrapper would form a cycle Python's
@@ -43,6 +47,7 @@ from torch import nn
 
 from cs336_systems.distributed.common import (
     broadcast_module_state,
+    broadcast_tensors,
     check_tensor_devices,
     module_tensors,
     require_process_group,
@@ -53,11 +58,20 @@ MIB = 2**20
 
 
 class DataParallelBase(nn.Module):
-    """What every wrapper shares: validation, the rank-0 broadcast, forward delegation."""
+    """What every wrapper shares: validation, the rank-0 broadcasts, forward delegation.
 
-    def __init__(self, module: nn.Module) -> None:
+    `broadcast_buffers` (default True, as in PyTorch's DDP): every forward with grad enabled first
+    overwrites the module's buffers (e.g. BatchNorm's running statistics) with rank 0's, so that
+    the replicas do not drift apart; a forward under `torch.no_grad()` (evaluation, perhaps on one
+    rank only) communicates nothing.
+    """
+
+    def __init__(self, module: nn.Module, broadcast_buffers: bool = True) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"{type(self).__name__} wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        self._check_module(module)
         name = type(self).__name__
         rank, world_size = require_process_group(name)
         device = check_tensor_devices(module_tensors(module), name)
@@ -66,9 +80,14 @@ class DataParallelBase(nn.Module):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.broadcast_buffers = broadcast_buffers
         self.params: list[nn.Parameter] = trainable_parameters(module)
         self._hooks: list = []
+        self._hooked = False
         broadcast_module_state(module, src=0)
+
+    def _check_module(self, module: nn.Module) -> None:
+        """What a subclass refuses in the module, checked before any communication."""
 
     def _register_gradient_hooks(self) -> None:
         """Call `self._on_gradient_ready(param)` once each parameter's gradient is accumulated."""
@@ -80,6 +99,7 @@ class DataParallelBase(nn.Module):
                 alive._on_gradient_ready(param)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        self._hooked = True
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         raise NotImplementedError
@@ -89,9 +109,31 @@ class DataParallelBase(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._hooked = False
 
     def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            self._follow_requires_grad()
+            if self.broadcast_buffers and self.world_size > 1:
+                broadcast_tensors(self.module.buffers(), src=0)
         return self.module(*inputs, **kwargs)
+
+    def _follow_requires_grad(self) -> None:
+        """Take in the parameters whose `requires_grad` changed since wrapping (layers unfrozen or frozen)."""
+        params = trainable_parameters(self.module)
+        if len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params)):
+            return
+        known = {id(p) for p in self.params}
+        # A newly trained parameter starts from rank 0's values, as every parameter did at wrapping.
+        broadcast_tensors([p for p in params if id(p) not in known], src=0)
+        self.params = params
+        self._parameters_changed()
+
+    def _parameters_changed(self) -> None:
+        """Rebuild what depends on `self.params`: the gradient hooks, where there are any."""
+        if self._hooked:
+            self.remove_hooks()
+            self._register_gradient_hooks()
 
     def on_train_batch_start(self) -> None:
         """Called before each batch's forward; nothing to do unless a subclass keeps per-step state."""
@@ -107,18 +149,31 @@ class NaiveDDP(DataParallelBase):
     def finish_gradient_synchronization(self) -> None:
         for p in self.params:
             if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad.div_(self.world_size)
+                _average(p.grad, self.world_size)
+
+
+def _average(grad: torch.Tensor, world_size: int) -> None:
+    """Blocking SUM all-reduce of one gradient (dense or sparse), then division by the world size."""
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+    grad.div_(world_size)
 
 
 class FlatDDP(DataParallelBase):
-    """After backward: the gradients concatenated into one flat tensor per dtype, one all-reduce each."""
+    """After backward: the gradients concatenated into one flat tensor per dtype, one all-reduce each.
+
+    A sparse gradient (`nn.Embedding(sparse=True)`) cannot be concatenated: it is all-reduced on its
+    own, as `NaiveDDP` does.
+    """
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self.params:
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                _average(p.grad, self.world_size)
+            else:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
@@ -131,8 +186,8 @@ class FlatDDP(DataParallelBase):
 class DDPIndividualParameters(DataParallelBase):
     """Async all-reduce of each gradient from its post-accumulate-grad hook, overlapping backward."""
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__(module)
+    def __init__(self, module: nn.Module, broadcast_buffers: bool = True) -> None:
+        super().__init__(module, broadcast_buffers)
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
         self._launched: set[int] = set()  # id() of parameters whose gradient is in flight this step
         self._register_gradient_hooks()
@@ -160,6 +215,15 @@ class DDPIndividualParameters(DataParallelBase):
             work.wait()
         self._pending.clear()
         self._launched.clear()
+
+
+def sparse_gradient_modules(module: nn.Module) -> list[str]:
+    """Names of the submodules that produce sparse gradients: `nn.Embedding` / `nn.EmbeddingBag` with sparse=True."""
+    return [
+        repr(name) if name else type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    ]
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_size_bytes: float) -> list[list[int]]:
@@ -210,15 +274,33 @@ class Bucket:
 
 
 class DDPBucketed(DataParallelBase):
-    """Bucketed async all-reduce: each bucket is reduced as soon as all its gradients are final."""
+    """Bucketed async all-reduce: each bucket is reduced as soon as all its gradients are final.
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float) -> None:
+    The buckets are dense flat buffers, so a module with sparse gradients (`nn.Embedding` or
+    `nn.EmbeddingBag` with `sparse=True`) is refused at wrapping; use `NaiveDDP`, `FlatDDP` or
+    `DDPIndividualParameters` for it.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float, broadcast_buffers: bool = True) -> None:
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real):
             raise TypeError(f"bucket_size_mb must be a number, got {type(bucket_size_mb).__name__}")
         if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
             raise ValueError(f"bucket_size_mb must be a positive finite number of MiB, got {bucket_size_mb}")
-        super().__init__(module)
+        super().__init__(module, broadcast_buffers)
         self.bucket_size_mb = float(bucket_size_mb)
+        self._build_buckets()
+        self._register_gradient_hooks()
+
+    def _check_module(self, module: nn.Module) -> None:
+        sparse = sparse_gradient_modules(module)
+        if sparse:
+            raise ValueError(
+                f"{type(self).__name__} packs gradients into dense buckets and cannot reduce the sparse gradients "
+                f"of {', '.join(sparse)} (sparse=True); use NaiveDDP, FlatDDP or DDPIndividualParameters, "
+                "or sparse=False"
+            )
+
+    def _build_buckets(self) -> None:
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position in bucket)
         for b, indices in enumerate(assign_buckets(self.params, self.bucket_size_mb * MIB)):
@@ -230,7 +312,11 @@ class DDPBucketed(DataParallelBase):
             self.buckets.append(Bucket(params, offsets, buffer))
             for j, p in enumerate(params):
                 self._where[id(p)] = (b, j)
-        self._register_gradient_hooks()
+
+    def _parameters_changed(self) -> None:
+        self.on_train_batch_start()  # no reduction of the old buckets may still be writing into them
+        self._build_buckets()
+        super()._parameters_changed()
 
     @property
     def num_pending(self) -> int:
@@ -241,6 +327,11 @@ class DDPBucketed(DataParallelBase):
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         b, j = self._where[id(param)]
         bucket = self.buckets[b]
+        if param.grad.is_sparse:  # a sparse gradient from a functional call (no sparse module to refuse)
+            raise RuntimeError(
+                f"{type(self).__name__}: a parameter's gradient is sparse (e.g. F.embedding(..., sparse=True)) and "
+                "the buckets are dense; use NaiveDDP, FlatDDP or DDPIndividualParameters"
+            )
         if bucket.arrived[j]:
             raise RuntimeError(
                 f"{type(self).__name__}: a parameter's gradient became ready twice without "

@@ -7,9 +7,14 @@ return value, in rank order. If any rank raises or dies, or the deadline passes,
 are terminated (then killed) and joined before `WorkerError` / `TimeoutError` is raised, so a caller
 such as pytest can never hang on a peer stuck in a collective.
 
-On CUDA (NCCL) rank r uses GPU r. NVLink SHARP / multicast stays off in every rank
-(`NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1`, set with
-`setdefault` before the process group exists).
+When torchrun started this process (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment),
+`join(worker, ...)` instead makes it one rank of torchrun's job, on one host or several: the process
+group comes from torchrun's rendezvous (`env://`), every rank runs rank 0's arguments, and an exception
+propagates (torchrun then stops the other ranks). `run_ranks` picks `join` or `launch`.
+
+On CUDA (NCCL) rank r uses GPU r (under torchrun, GPU LOCAL_RANK). NVLink SHARP / multicast stays off
+in every rank (`NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1`, set
+with `setdefault` before the process group exists).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ NO_MULTICAST_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 HOST = "127.0.0.1"
 POLL_S = 0.05
 TERMINATE_GRACE_S = 5.0
@@ -55,6 +61,28 @@ class WorkerContext:
     def send(self, message: Any) -> None:
         """Hand `message` (picklable) to the launcher's `on_message(rank, message)` right away."""
         self.channel.put(("message", self.rank, pickle.dumps(message)))
+
+
+@dataclass(frozen=True)
+class TorchrunPlace:
+    """Where torchrun put this process: its global rank and the job's size, its rank and rank count on this host."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_place() -> TorchrunPlace | None:
+    """This process's place in a torchrun job, or None when the environment does not name one."""
+    if not all(name in os.environ for name in TORCHRUN_ENV):
+        return None
+    text = {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    text["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE", text["WORLD_SIZE"])  # unset: every rank on this host
+    try:
+        return TorchrunPlace(*(int(value) for value in text.values()))
+    except ValueError:
+        raise ValueError(f"torchrun's environment must hold integers, got {text}") from None
 
 
 def default_backend(world_size: int) -> str:
@@ -151,6 +179,59 @@ def launch(
     return [results[r] for r in range(world_size)]
 
 
+def join(
+    worker: Callable[..., Any],
+    args: tuple = (),
+    *,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    num_threads: int | None = None,
+    on_message: Callable[[int, Any], None] | None = None,
+) -> Any:
+    """Run `worker(ctx, *args)` as this process's rank of the torchrun job; return its result.
+
+    Every rank runs rank 0's `args` (broadcast once the group exists), so a plan that rank 0 drew from
+    its own records holds on every host. `on_message` gets this rank's `ctx.send` messages directly.
+    """
+    place = torchrun_place()
+    if place is None:
+        raise RuntimeError(f"join() runs under torchrun, which sets {', '.join(TORCHRUN_ENV)}; use launch() instead")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    backend = backend or default_backend(place.local_world_size)
+    check_backend(backend, place.local_world_size)
+    device = _init_rank(place.rank, place.world_size, backend, place.local_rank, timeout_s, num_threads,
+                        init_method="env://")
+    shared = [args]
+    dist.broadcast_object_list(shared, src=0)
+    result = worker(WorkerContext(place.rank, place.world_size, backend, device, _Direct(on_message)), *shared[0])
+    dist.destroy_process_group()
+    return result
+
+
+def run_ranks(worker: Callable[..., Any], world_size: int, args: tuple = (), **kwargs: Any) -> None:
+    """`join` torchrun's job when it started this process (its size must be `world_size`), else `launch` here."""
+    place = torchrun_place()
+    if place is None:
+        launch(worker, world_size, args, **kwargs)
+    elif place.world_size != world_size:
+        raise ValueError(f"torchrun started {place.world_size} ranks; the run needs {world_size}")
+    else:
+        join(worker, args, **kwargs)
+
+
+class _Direct:
+    """The channel of a rank that runs in the caller's process: messages go straight to `on_message`."""
+
+    def __init__(self, on_message: Callable[[int, Any], None] | None) -> None:
+        self.on_message = on_message
+
+    def put(self, item: tuple[str, int, bytes]) -> None:
+        _, rank, payload = item
+        if self.on_message is not None:
+            self.on_message(rank, pickle.loads(payload))
+
+
 def _drain(channel: Any, handle: Callable[..., None], wait_s: float = 1.0) -> None:
     """Hand every item still in (or arriving within `wait_s` on) the channel to `handle`."""
     while True:
@@ -188,25 +269,9 @@ def _rank_main(
     worker: Callable[..., Any],
     args: tuple,
 ) -> None:
-    for key, value in NO_MULTICAST_ENV.items():
-        os.environ.setdefault(key, value)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            **({"device_id": device} if backend == "nccl" else {}),
-        )
+        device = _init_rank(rank, world_size, backend, rank, timeout_s, num_threads, store=store)
         result = worker(WorkerContext(rank, world_size, backend, device, channel), *args)
         channel.put(("result", rank, pickle.dumps(result)))
     except BaseException:
@@ -215,3 +280,27 @@ def _rank_main(
         raise
     # Every rank finished its collectives before returning, so this does not wait on peers.
     dist.destroy_process_group()
+
+
+def _init_rank(
+    rank: int, world_size: int, backend: str, gpu: int, timeout_s: float, num_threads: int | None, **init: Any
+) -> torch.device:
+    """Environment, CPU threads, device (GPU `gpu` under NCCL) and process group of one rank; its device."""
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(key, value)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if backend == "nccl":
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **({"device_id": device} if backend == "nccl" else {}),
+        **init,
+    )
+    return device

@@ -11,6 +11,13 @@ broadcasts every parameter from its owner, so all replicas hold the same updated
 
 Parameters must already be identical on every rank (e.g. wrapped by one of the DDP classes), and
 gradients must already be averaged; the optimizer does not communicate gradients.
+
+Checkpoints: `state_dict()` is this rank's shard in `torch.optim`'s format (every group's
+hyper-parameters, such as a scheduler's current `lr`, with the parameters numbered over the whole
+model; the state of the parameters this rank owns; and `shard`: the rank, world size and parameter
+numbers it covers). Each rank saves its own and, resuming with the same world size and parameters,
+loads it back with `load_state_dict()`, which also accepts a plain optimizer's state dict of the
+whole model. Neither communicates.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not owned:
             self._local_group_of.append(None)
             return
-        local_group = {k: v for k, v in group.items() if k != "params"}
+        local_group = _hyperparameters(group)
         local_group["params"] = owned
         if self.local_optimizer is None:
             self.local_optimizer = self.optimizer_cls([local_group], **self.optimizer_kwargs)
@@ -96,12 +103,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _sync_hyperparameters(self) -> None:
         for group, local_index in zip(self.param_groups, self._local_group_of):
-            if local_index is None:
-                continue
-            local = self.local_optimizer.param_groups[local_index]
-            for key, value in group.items():
-                if key != "params":
-                    local[key] = value
+            if local_index is not None:
+                self.local_optimizer.param_groups[local_index].update(_hyperparameters(group))
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -113,13 +116,70 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for handle in handles:
             handle.wait()
 
+    def _numbers(self) -> dict[int, int]:
+        """id(param) -> its number in a state dict: its position over all groups, as `torch.optim` numbers them."""
+        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "ShardedOptimizer holds only this rank's shard of the state; save local_optimizer.state_dict() "
-            "on every rank (the shard assignment is deterministic) instead"
-        )
+        """This rank's shard: all groups' hyper-parameters, the owned parameters' state, and what it covers."""
+        number = self._numbers()
+        state = {}
+        if self.local_optimizer is not None:
+            local_params = [p for group in self.local_optimizer.param_groups for p in group["params"]]
+            local_state = self.local_optimizer.state_dict()["state"]
+            state = {number[id(local_params[i])]: s for i, s in local_state.items()}
+        return {
+            "state": state,
+            "param_groups": [
+                {**_hyperparameters(group), "params": [number[id(p)] for p in group["params"]]}
+                for group in self.param_groups
+            ],
+            "shard": {"rank": self.rank, "world_size": self.world_size,
+                      "params": [number[id(p)] for p in self.owned_parameters()]},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "ShardedOptimizer holds only this rank's shard of the state; load into local_optimizer on every rank"
-        )
+        """Restore the hyper-parameters of every group and the state of the parameters this rank owns."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        missing_keys = {"state", "param_groups"} - state_dict.keys()
+        if missing_keys:
+            raise ValueError(f"state_dict lacks {sorted(missing_keys)}: not an optimizer state dict")
+        saved_groups = state_dict["param_groups"]
+        sizes = [len(group["params"]) for group in self.param_groups]
+        saved_sizes = [len(group["params"]) for group in saved_groups]
+        if saved_sizes != sizes:
+            raise ValueError(
+                f"state_dict has parameter groups of sizes {saved_sizes}; this optimizer's groups have sizes {sizes}"
+            )
+        number = self._numbers()
+        shard = state_dict.get("shard")
+        if shard is not None:
+            lacking = sorted({number[id(p)] for p in self.owned_parameters()} - set(shard["params"]))
+            if lacking:
+                raise ValueError(
+                    f"state_dict is the shard of rank {shard['rank']} of {shard['world_size']}, without the state of "
+                    f"parameters {lacking} that rank {self.rank} of {self.world_size} owns: load the state dict this "
+                    "rank saved, with the same world size and parameters"
+                )
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(_hyperparameters(saved))
+        if self.local_optimizer is None:
+            return
+        # The local optimizer numbers its own parameters over its groups, which follow the global groups' order.
+        local_groups, local_state, start = [], {}, 0
+        for saved, local_index in zip(saved_groups, self._local_group_of):
+            if local_index is None:
+                continue
+            local = self.local_optimizer.param_groups[local_index]
+            local_groups.append({**_hyperparameters(local), **_hyperparameters(saved),
+                                 "params": list(range(start, start + len(local["params"])))})
+            for i, p in enumerate(local["params"], start):
+                if number[id(p)] in state_dict["state"]:
+                    local_state[i] = state_dict["state"][number[id(p)]]
+            start += len(local["params"])
+        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}

@@ -1,8 +1,12 @@
-"""`cs336-bench allreduce`: a Gloo smoke run on the CPU (2 spawned ranks), the run plan per host, report."""
+"""`cs336-bench allreduce`: a Gloo smoke run on the CPU (2 spawned ranks, then 2 ranks of torchrun), the run
+plan per host, report."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,11 +14,16 @@ from cs336_systems.bench import allreduce
 
 from .helpers import check_report, rows_of, run_cli, timed, write_rows
 
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost"}
 
-def test_smoke_allreduce(tmp_path):
+
+def test_smoke_allreduce(tmp_path, capsys):
     assert run_cli("allreduce", "--smoke", "--out", str(tmp_path)) == 0
     rows = rows_of(tmp_path, "allreduce")
     assert [(r["backend"], r["world_size"], r["size_mb"]) for r in rows] == [("gloo", 2, 0.25), ("gloo", 2, 1)]
+    progress = capsys.readouterr().out
+    assert "variant=0.25 MB, 2 ranks" in progress and "variant=1 MB, 2 ranks" in progress
     for r in rows:
         assert r["status"] == "ok" and r["smoke"] is True and r["device"] == "cpu"
         assert (r["iters"], r["warmup_iters"], r["n_timed"]) == (2, 1, 2)
@@ -46,6 +55,40 @@ def test_plan_follows_the_host(monkeypatch):
     assert allreduce.plan(namespace(smoke=True)) == [("gloo", 2)]
     with pytest.raises(ValueError, match="0 GPU"):
         allreduce.plan(namespace(backends=["nccl"]))
+
+
+def test_smoke_allreduce_under_torchrun(tmp_path):
+    """Started by torchrun, the two processes are the two ranks (none spawned), and rank 0 alone records."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "cs336_systems.bench.cli", "allreduce", "--smoke", "--no-progress", "--timeout-s", "60",
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = rows_of(tmp_path, "allreduce")
+    assert [(r["backend"], r["world_size"], r["size_mb"], r["status"]) for r in rows] == [
+        ("gloo", 2, 0.25, "ok"), ("gloo", 2, 1, "ok")]
+    assert "variant=1 MB, 2 ranks" in done.stdout
+
+
+def test_plan_under_torchrun(monkeypatch):
+    """The job's one process group: its world size, one backend, GPUs for the ranks on this host."""
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(allreduce, "gpu_count", lambda: 0)
+    assert allreduce.plan(namespace()) == [("gloo", 2)]
+    with pytest.raises(ValueError, match="torchrun started 2 ranks"):
+        allreduce.plan(namespace(world_sizes=[4]))
+    with pytest.raises(ValueError, match="one backend"):
+        allreduce.plan(namespace(backends=["nccl", "gloo"]))
+    with pytest.raises(ValueError, match="2 ranks on this host, which has 0 GPU"):
+        allreduce.plan(namespace(backends=["nccl"]))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 hosts of 2 GPUs
+    monkeypatch.setattr(allreduce, "gpu_count", lambda: 2)
+    assert allreduce.plan(namespace()) == [("nccl", 8)]
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(ValueError, match="integers"):
+        allreduce.plan(namespace())
 
 
 def test_nccl_without_gpus_is_a_usage_error(monkeypatch):

@@ -11,9 +11,10 @@ from cs336_systems.bench import ddp as ddp_bench
 from .helpers import check_report, rows_of, run_cli, timed, write_rows
 
 
-def test_smoke_ddp(tmp_path):
+def test_smoke_ddp(tmp_path, capsys):
     assert run_cli("ddp", "--smoke", "--bucket-sizes-mb", "0.001", "100", "--shard-bucket-mb", "0.01",
                    "--out", str(tmp_path)) == 0
+    assert "[ddp] 2 ranks (gloo), model smoke, 2 x 32 tokens per rank: 9 variant(s)" in capsys.readouterr().out
     rows = rows_of(tmp_path, "ddp")
     assert [(r["impl"], r["bucket_mb"], r["optimizer"]) for r in rows] == [
         ("local", None, "adamw"), ("naive", None, "adamw"), ("flat", None, "adamw"), ("individual", None, "adamw"),
@@ -52,6 +53,24 @@ def test_world_size_checks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert ddp_bench.backend_for(args(smoke=True, world_size=3)) == "gloo"
+
+
+def test_world_size_under_torchrun(monkeypatch):
+    """The job's world size; NCCL needs a GPU per rank on this host, not per rank of the job."""
+    import torch
+
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "node0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = argparse.Namespace(world_size=None, smoke=False)
+    assert (ddp_bench.world_size_of(args), ddp_bench.backend_for(args)) == (4, "nccl")
+    with pytest.raises(ValueError, match="torchrun started 4 ranks"):
+        ddp_bench.backend_for(argparse.Namespace(world_size=2, smoke=False))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks on this host, which has 1 GPU"):
+        ddp_bench.backend_for(args)
 
 
 def test_runs_include_the_sharded_twin():
