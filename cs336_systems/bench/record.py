@@ -87,19 +87,20 @@ def read_rows(path: Path) -> list[Row]:
     if not path.exists():
         return []
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
+    with path.open("rb") as f:  # decoded line by line: a stray non-UTF-8 byte costs its line only
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line:
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = json.loads(line.decode())
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 row = None
             if isinstance(row, dict):
                 rows.append(row)
             else:
-                print(f"warning: {path}:{number}: skipping a line that is not a JSON object: {line[:80]!r}",
+                print(f"warning: {path}:{number}: skipping a line that is not a JSON object: "
+                      f"{line[:80].decode(errors='replace')!r}",
                       file=sys.stderr)
     return rows
 

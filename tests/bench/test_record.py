@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cs336_systems.bench import cli
 from cs336_systems.bench.record import KEY_FIELDS, Recorder, key_of, read_rows
 
 from .helpers import rows_of, run_cli
@@ -62,6 +63,21 @@ def test_non_object_lines_are_skipped_by_resume(tmp_path, capsys):
     rec = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
     assert not rec.done
     assert capsys.readouterr().err.count("not a JSON object") == 4
+
+
+def test_a_non_utf8_byte_costs_its_line_only(tmp_path, capsys):
+    """One stray byte (a bad editor save, a disk error) skips that line with a warning, in resume and report."""
+    rows = [{"problem": "attention", **FIELDS, "seq_len": seq, "gpu": "cpu", "status": "ok", "ms": 1.0}
+            for seq in (8, 16, 32)]
+    lines = [json.dumps(r).encode() for r in rows]
+    lines[1] = lines[1].replace(b'"ok"', b'"o\xffk"')
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    rec = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
+    assert [rec.is_done({**FIELDS, "seq_len": seq}) for seq in (8, 16, 32)] == [True, False, True]
+    assert "metrics.jsonl:2: skipping a line" in capsys.readouterr().err
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "attention"]) == 0
+    assert "metrics.jsonl:2: skipping a line" in capsys.readouterr().err
 
 
 def test_identity_includes_device_smoke_and_timing_settings(tmp_path):
