@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from cs336_systems.bench.timing import free_memory, peak_memory_mib
@@ -66,6 +67,12 @@ KEY_FIELDS = (
 METRIC_FIELDS = ("ms", "ms_p20", "ms_p80", "tflops", "peak_mem_mb")
 DONE_STATUSES = ("ok", "oom")
 LOG_FIELDS = ("impl", "variant", "kernel", "model_size", "compiled", "mode", "dtype", "seq_len", "d_head")
+NUMBER = (int, float)
+# Optional numeric fields: when present they must be numbers (or null).
+NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
+# Times that tables divide by and plots take logs of: when present, positive and finite.
+TIME_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean")
+BASE_FIELDS = {"status": str, "impl": str}
 MAX_ERROR_CHARS = 500
 COMMIT_ENV = "CS336_BENCH_COMMIT"  # overrides git (e.g. on a machine that gets the tree without .git)
 NO_DEVICE = "none"  # `gpu` of rows measured without a device (resources)
@@ -103,6 +110,51 @@ def read_rows(path: Path) -> list[Row]:
                       f"{line[:80].decode(errors='replace')!r}",
                       file=sys.stderr)
     return rows
+
+
+def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and kind in (int, NUMBER):
+        return False
+    return isinstance(value, kind)
+
+
+def problem_of_row(row: Row, schema: ModuleType | None) -> str | None:
+    """Why `row` cannot be rendered (missing or mistyped field, a time that is not positive and finite),
+    or None when it can. `schema`: the problem module, whose FIELDS / OK_FIELDS the row must have."""
+    fields = {**BASE_FIELDS, **getattr(schema, "FIELDS", {})} if schema is not None else {"status": str}
+    if row.get("status") == "ok":
+        fields.update(getattr(schema, "OK_FIELDS", {}))
+    for field, kind in fields.items():
+        if field not in row:
+            return f"missing {field!r}"
+        if not type_ok(row[field], kind):
+            return f"{field!r} is {row[field]!r}"
+    for field in NUMERIC_FIELDS:
+        value = row.get(field)
+        if value is None:
+            continue
+        if not type_ok(value, NUMBER):
+            return f"{field!r} is {value!r}, not a number"
+        if field in TIME_FIELDS and not (math.isfinite(value) and value > 0):
+            return f"{field!r} is {value!r}, not a positive finite time"
+    return None
+
+
+def valid_rows(rows: list[Row], schema: ModuleType | None, path: Path, shown: int = 3) -> list[Row]:
+    """The rows the report can render (and `--resume` may count as done); the others are counted and
+    the first few shown on stderr."""
+    kept, skipped = [], 0
+    for r in rows:
+        reason = problem_of_row(r, schema)
+        if reason is None:
+            kept.append(r)
+            continue
+        skipped += 1
+        if skipped <= shown:
+            print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
+    if skipped > shown:
+        print(f"warning: {path}: skipped {skipped} rows in all", file=sys.stderr)
+    return kept
 
 
 def git_commit() -> str:

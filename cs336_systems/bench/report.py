@@ -1,12 +1,13 @@
 """report: render `<out>/<problem>/table.md` and PNG plots from each problem's metrics.jsonl.
 
 Only the JSONL files are read. Each problem module renders its own rows (`render(rows, out)`); this
-module is the shared toolkit (row validation, latest rows, pivots, markdown, plot helpers, one colour
+module is the shared toolkit (latest rows, pivots, markdown, plot helpers, one colour
 and label per implementation) and the loop over problems. Rows sharing a measurement key keep the
 latest ok row (else the latest row, so OOM / unsupported / error cells still show); non-ok cells print
 their status. Rows of different devices (and --smoke rows) are never mixed: each device gets its own
 section, and its plots a file-name suffix after the first device's. Rows that do not match the
-problem's schema are skipped with a warning; the other rows and problems still render. The exit code
+problem's schema (`record.valid_rows`, which `--resume` applies too) are skipped with a warning; the
+other rows and problems still render. The exit code
 is 1 only when a problem named in --problems has no valid rows.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cs336_systems.bench.record import KEY_FIELDS, Row, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, NUMBER, Row, key_of, read_rows, valid_rows
 
 NAME = "report"
 HELP = "render table.md and PNG plots from <out>/<problem>/metrics.jsonl"
@@ -39,10 +40,6 @@ IMPL_STYLE = {  # name -> (label in tables and legends, colour): the same in eve
 }
 IMPL_ORDER = tuple(IMPL_STYLE)
 EXTRA_COLORS = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39")
-NUMBER = (int, float)
-# Optional numeric fields: when present they must be numbers (or null).
-NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
-BASE_FIELDS = {"status": str, "impl": str}
 FIGURE_WIDTH = 10.0  # inches: two panels per row fill a page
 PANEL_HEIGHT = 3.6
 
@@ -91,46 +88,8 @@ def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Row validation and device separation
+# Device separation
 # ---------------------------------------------------------------------------------------------
-
-
-def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and kind in (int, NUMBER):
-        return False
-    return isinstance(value, kind)
-
-
-def problem_of_row(row: Row, module: ModuleType | None) -> str | None:
-    """Why `row` cannot be rendered (missing or mistyped field), or None when it can."""
-    fields = {**BASE_FIELDS, **getattr(module, "FIELDS", {})} if module is not None else {"status": str}
-    if row.get("status") == "ok":
-        fields.update(getattr(module, "OK_FIELDS", {}))
-    for field, kind in fields.items():
-        if field not in row:
-            return f"missing {field!r}"
-        if not type_ok(row[field], kind):
-            return f"{field!r} is {row[field]!r}"
-    for field in NUMERIC_FIELDS:
-        if row.get(field) is not None and not type_ok(row[field], NUMBER):
-            return f"{field!r} is {row[field]!r}, not a number"
-    return None
-
-
-def valid_rows(rows: list[Row], module: ModuleType | None, path: Path, shown: int = 3) -> list[Row]:
-    """The rows `render` can use; the others are counted and the first few shown on stderr."""
-    kept, skipped = [], 0
-    for r in rows:
-        reason = problem_of_row(r, module)
-        if reason is None:
-            kept.append(r)
-            continue
-        skipped += 1
-        if skipped <= shown:
-            print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
-    if skipped > shown:
-        print(f"warning: {path}: skipped {skipped} rows in all", file=sys.stderr)
-    return kept
 
 
 def device_label(r: Row) -> str:

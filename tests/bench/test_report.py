@@ -102,6 +102,23 @@ def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "model"]) == 1  # asked for, nothing there
 
 
+def test_report_skips_rows_whose_times_are_not_positive_and_finite(tmp_path, capsys):
+    """ms 0, negative, inf or NaN (a clock that went wrong, a hand edit) is skipped with a warning, not divided by."""
+    good = flash_rows()[:9]
+    bad = [{**good[3], **timed(ms)} for ms in (0.0, -1.0, float("inf"), float("nan"))]
+    write_rows(tmp_path, "flash", good + bad)
+    overhead = dict(impl="flash_triton", mode="fwd", dtype="bf16", batch=1, n_heads=16, seq_len=1024, d_head=64,
+                    is_causal=True, host_us=130.0, wall_ms=0.2)
+    write_rows(tmp_path, "overhead", [{**overhead, **timed(0.05)}, {**overhead, **timed(0.0), "run_id": "r2"}])
+    for problem in ("flash", "overhead"):
+        (tmp_path / problem / "table.md").write_text("stale\n")
+    assert cli.main(["report", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("not a positive finite time") == 4 and "'ms' is inf" in err and "skipped 4 rows in all" in err
+    assert "| 64 | 1024 |" in (tmp_path / "flash" / "table.md").read_text()
+    assert "| ours | 130.0 | 50.000 | 200.0 | 2.60 |" in (tmp_path / "overhead" / "table.md").read_text()
+
+
 def test_report_asked_for_a_missing_problem_fails(tmp_path, capsys):
     write_rows(tmp_path, "flash", flash_rows()[:3])
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "nosuch"]) == 1
