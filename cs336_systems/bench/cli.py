@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from cs336_systems.bench.record import Recorder
 
     try:
-        recorder = Recorder(out, args.command, device, resume=args.resume, smoke=args.smoke)
+        recorder = Recorder(out, args.command, device, resume=args.resume, smoke=args.smoke, schema=module)
     except OSError as e:
         print(f"cs336-bench {args.command}: cannot write results under {out}: {e}", file=sys.stderr)
         return 2

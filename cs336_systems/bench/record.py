@@ -226,11 +226,13 @@ class Recorder:
     """Appends one flat JSON row per measurement to `<out>/<problem>/metrics.jsonl`.
 
     `device` None means nothing runs on a device (rows say gpu "none"). The output file is opened for
-    appending here, so an unwritable `--out` fails before the first measurement.
+    appending here, so an unwritable `--out` fails before the first measurement. With `resume`, the rows
+    that `valid_rows(rows, schema)` keeps (as the report does) and that completed are done.
     """
 
     def __init__(
-        self, out: Path, problem: str, device: torch.device | None, resume: bool = False, smoke: bool = False
+        self, out: Path, problem: str, device: torch.device | None, resume: bool = False, smoke: bool = False,
+        schema: ModuleType | None = None,
     ) -> None:
         self.problem = problem
         self.device = device
@@ -244,7 +246,8 @@ class Recorder:
         self.meta = {**run_metadata(device), "run_id": self.run_id}
         self.done: set[tuple] = set()
         if resume:
-            self.done = {key_of(r) for r in read_rows(self.path) if r.get("status") in DONE_STATUSES}
+            rows = valid_rows(read_rows(self.path), schema, self.path)
+            self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES}
         self.counts: dict[str, int] = {}
 
     def base_row(self, fields: Row) -> Row:

@@ -116,6 +116,20 @@ def test_resume_skips_done_rows(tmp_path):
     assert len(rows_of(tmp_path, "attention")) == len(kept) + 3 + 4
 
 
+def test_resume_redoes_rows_the_report_rejects(tmp_path, capsys):
+    """A row the report skips would leave its cell empty forever if --resume counted it as done."""
+    args = ("attention", "--smoke", "--seq", "16", "--out", str(tmp_path))
+    assert run_cli(*args) == 0
+    first = rows_of(tmp_path, "attention")
+    broken = [{**first[0], "ms": "fast"}, {**first[1], "ms": 0.0}]
+    (tmp_path / "attention" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in broken))
+    assert run_cli(*args, "--resume") == 0
+    assert "skipping a row" in capsys.readouterr().err
+    redone = rows_of(tmp_path, "attention")[len(broken):]
+    assert sorted(r["mode"] for r in redone) == sorted(r["mode"] for r in broken)
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in redone)
+
+
 def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):
     """`code_sha` hashes the imported package's sources: a second copy of the package (as a before/after
     run puts on PYTHONPATH) has the same digest only when its sources are the same."""
