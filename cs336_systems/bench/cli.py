@@ -127,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"cs336-bench {args.command}: cannot write results under {out}: {e}", file=sys.stderr)
         return 2
-    print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} out={recorder.path}")
-    rc = module.run(args, recorder) or 0
-    print(recorder.summary())
+    with recorder:
+        print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} "
+              f"out={recorder.path}")
+        rc = module.run(args, recorder) or 0
+        print(recorder.summary())
     if rc == 0 and any(k.startswith("error") for k in recorder.counts):
         rc = 1
     return rc

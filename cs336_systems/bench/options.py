@@ -77,7 +77,7 @@ def resolve_sized(args: argparse.Namespace) -> None:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="output root (default: runs/; a temp dir with --smoke)")
-    p.add_argument("--resume", action="store_true", help="skip keys that already have an ok/oom row")
+    p.add_argument("--resume", action="store_true", help="skip keys that already have an ok, oom or unsupported row")
     p.add_argument(
         "--smoke",
         action="store_true",

@@ -6,9 +6,11 @@ per-measurement failure policy (CUDA OOM -> an "oom" row, `Unsupported` -> an "u
 other exception -> an "error: ..." row with its traceback on stderr; the sweep continues, finished
 rows are already on disk).
 
-A row's identity (`KEY_FIELDS`, used by `--resume` and by the report) includes the device (`gpu`),
-the `smoke` mark and the timing settings (do_bench rep/warmup, timed/warm-up iterations or steps), so
-rows of another GPU, of the CPU or of other settings are never taken for the same measurement. The
+One run at a time writes a file (a lock on it); `--resume` skips the keys with an ok, oom or
+unsupported row. A row's identity (`KEY_FIELDS`, used by `--resume` and by the report) includes the
+device (`gpu`), the `smoke` mark and the timing settings (do_bench rep/warmup, timed/warm-up
+iterations or steps), so rows of another GPU, of the CPU or of other settings are never taken for the
+same measurement. The
 file is only ever appended to; every append starts on a fresh line, so a cut last line (killed run,
 an editor that drops the final newline) stays a lone unparsable line that readers skip with a warning.
 torch is imported lazily: this module is imported when the CLI builds its parser.
@@ -16,6 +18,7 @@ torch is imported lazily: this module is imported when the CLI builds its parser
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -65,7 +68,7 @@ KEY_FIELDS = (
 )
 # Measurement fields every row carries (null when the measurement did not complete).
 METRIC_FIELDS = ("ms", "ms_p20", "ms_p80", "tflops", "peak_mem_mb")
-DONE_STATUSES = ("ok", "oom")
+DONE_STATUSES = ("ok", "oom", "unsupported")  # what --resume does not measure again
 LOG_FIELDS = ("impl", "variant", "kernel", "model_size", "compiled", "mode", "dtype", "seq_len", "d_head")
 NUMBER = (int, float)
 # Optional numeric fields: when present they must be numbers (or null).
@@ -226,8 +229,9 @@ class Recorder:
     """Appends one flat JSON row per measurement to `<out>/<problem>/metrics.jsonl`.
 
     `device` None means nothing runs on a device (rows say gpu "none"). The output file is opened for
-    appending here, so an unwritable `--out` fails before the first measurement. With `resume`, the rows
-    that `valid_rows(rows, schema)` keeps (as the report does) and that completed are done.
+    appending here, so an unwritable `--out` fails before the first measurement, and locked until `close`
+    (a second run into the same file waits, then resumes from what the first recorded). With `resume`,
+    the rows that `valid_rows(rows, schema)` keeps (as the report does) and that completed are done.
     """
 
     def __init__(
@@ -240,8 +244,12 @@ class Recorder:
         self.dir = Path(out) / problem
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        with self.path.open("a"):
-            pass
+        self.lock = self.path.open("a")  # the data file itself: no lock file left beside committed rows
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run writing {self.path} to finish", file=sys.stderr)
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
         self.run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         self.meta = {**run_metadata(device), "run_id": self.run_id}
         self.done: set[tuple] = set()
@@ -249,6 +257,16 @@ class Recorder:
             rows = valid_rows(read_rows(self.path), schema, self.path)
             self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES}
         self.counts: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Release the file lock (the process's exit releases it too)."""
+        self.lock.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def base_row(self, fields: Row) -> Row:
         row = {"problem": self.problem, **fields, **self.meta}

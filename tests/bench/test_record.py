@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,30 @@ def test_resume_redoes_rows_the_report_rejects(tmp_path, capsys):
     redone = rows_of(tmp_path, "attention")[len(broken):]
     assert sorted(r["mode"] for r in redone) == sorted(r["mode"] for r in broken)
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in redone)
+
+
+def test_a_second_run_into_the_same_file_waits_then_resumes(tmp_path, capsys):
+    """Two --resume runs to one --out: the second waits for the first's lock, then skips what it recorded."""
+    first = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
+    second: list[Recorder] = []
+    waiting = threading.Thread(target=lambda: second.append(
+        Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)), daemon=True)
+    waiting.start()
+    waiting.join(timeout=2)
+    assert waiting.is_alive(), "the second run must wait for the first"
+    first.measure(FIELDS, lambda: {"ms": 1.0})
+    first.close()
+    waiting.join(timeout=10)
+    assert second and second[0].is_done(FIELDS)
+    second[0].close()
+    assert "waiting for another run writing" in capsys.readouterr().err
+
+
+def test_resume_does_not_repeat_unsupported_rows(tmp_path):
+    (tmp_path / "attention").mkdir()
+    unsupported = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "unsupported", "error": "no kernel"}
+    (tmp_path / "attention" / "metrics.jsonl").write_text(json.dumps(unsupported) + "\n")
+    assert Recorder(tmp_path, "attention", torch.device("cpu"), resume=True).is_done(FIELDS)
 
 
 def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):
