@@ -10,10 +10,11 @@ and optionally
     NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none"), or
     needs_device(args)      the same decided per invocation (allreduce: Gloo alone needs no GPU)
     FIELDS, OK_FIELDS       {field: type} every row / every ok row must have for `render` (the report
-                            skips other rows with a warning)
+                            skips other rows with a warning, --resume measures them again)
 Problem modules import torch only inside their functions, so that `--help` stays instant. Plugging a
 new problem in is one entry in `PROBLEMS`. Every subcommand takes --out, --resume, --smoke and
---no-progress; bad sizes are usage errors (exit 2) before anything is measured or written.
+--no-progress; bad sizes are usage errors (exit 2) before anything is measured or written; Ctrl-C
+stops a sweep with exit code 130, the rows recorded so far kept.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources, allreduce, ddp)
 }
 DEFAULT_OUT = Path("runs")
+INTERRUPTED = 130  # the shell's exit status for SIGINT
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -96,7 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == report.NAME:
         return report.run(args, PROBLEMS)
-    module = PROBLEMS[args.command]
+    try:
+        return run_problem(args, PROBLEMS[args.command])
+    except KeyboardInterrupt:  # before the first row: importing torch, waiting for another run's lock
+        print(f"\ncs336-bench {args.command}: interrupted; nothing recorded", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run_problem(args: argparse.Namespace, module: ModuleType) -> int:
+    """Select the device, check the options, and run one problem's sweep into its Recorder."""
     options.resolve_sized(args)
 
     device = None
@@ -130,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     with recorder:
         print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} "
               f"out={recorder.path}")
-        rc = module.run(args, recorder) or 0
+        try:
+            rc = module.run(args, recorder) or 0
+        except KeyboardInterrupt:
+            n = sum(recorder.counts.values())
+            print(f"\ncs336-bench {args.command}: interrupted; {n} row{'s' * (n != 1)} kept in {recorder.path}, "
+                  "rerun with --resume", file=sys.stderr)
+            return INTERRUPTED
         print(recorder.summary())
     if rc == 0 and any(k.startswith("error") for k in recorder.counts):
         rc = 1

@@ -10,7 +10,7 @@ import torch
 
 from cs336_systems.bench import cli, options
 
-from .helpers import run_cli
+from .helpers import rows_of, run_cli
 
 
 def test_parser_imports_no_torch():
@@ -108,3 +108,35 @@ def test_head_dims_past_the_kernels_limit_are_refused(tmp_path, capsys):
         run_cli("leaderboard", "--smoke", "--d", str(MAX_HEAD_DIM + 1), "--out", str(tmp_path))
     assert exc.value.code == 2 and f"head dims up to {MAX_HEAD_DIM}" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_keeps_the_rows_and_says_how_to_resume(monkeypatch, tmp_path, capsys):
+    fields = dict(impl="naive", mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=8, d_head=4, is_causal=True)
+
+    def interrupted(args, rec):
+        rec.measure(fields, lambda: {"ms": 1.0})
+
+        def ctrl_c():
+            raise KeyboardInterrupt
+
+        rec.measure({**fields, "mode": "bwd"}, ctrl_c)
+
+    def run_attention() -> int:
+        try:
+            return run_cli("attention", "--smoke", "--out", str(tmp_path))
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C ended in a traceback")
+
+    monkeypatch.setattr(cli.PROBLEMS["attention"], "run", interrupted)
+    assert run_attention() == 130
+    path = tmp_path / "attention" / "metrics.jsonl"
+    assert capsys.readouterr().err.strip() == (f"cs336-bench attention: interrupted; 1 row kept in {path}, "
+                                               "rerun with --resume")
+    assert [r["mode"] for r in rows_of(tmp_path, "attention")] == ["fwd"]
+
+    def ctrl_c_at_start(smoke):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "select_device", ctrl_c_at_start)
+    assert run_attention() == 130
+    assert capsys.readouterr().err.strip() == "cs336-bench attention: interrupted; nothing recorded"
