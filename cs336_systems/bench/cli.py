@@ -7,6 +7,9 @@ A problem is a module with
     render(rows, out)       markdown sections of its table.md; plots saved through `report.Output`
 and optionally
     check(args)             raise ValueError on a bad combination of options (-> usage error, exit 2)
+    largest_inputs(args, device) -> (bytes, description)
+                            the input tensors of the largest measurement: sizes whose inputs exceed
+                            the device's memory are usage errors
     NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none"), or
     needs_device(args)      the same decided per invocation (allreduce: Gloo alone needs no GPU)
     FIELDS, OK_FIELDS       {field: type} every row / every ok row must have for `render` (the report
@@ -25,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from cs336_systems.bench import (
     allreduce,
@@ -39,6 +43,9 @@ from cs336_systems.bench import (
     report,
     resources,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, resources, allreduce, ddp)
@@ -93,6 +100,16 @@ def select_device(smoke: bool):
     return torch.device("cpu")
 
 
+def check_inputs_fit(args: argparse.Namespace, need: int, inputs: str, device: torch.device) -> None:
+    """A usage error (exit 2) when the inputs alone exceed what the device can hold."""
+    from cs336_systems.bench.timing import memory_bytes
+
+    have = memory_bytes(device)
+    if need > have:
+        args.usage_error(f"the largest measurement's inputs ({inputs}) need {need / 2**30:,.1f} GiB, more than the "
+                         f"{device.type} memory ({have / 2**30:,.1f} GiB): pass smaller sizes")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -126,6 +143,8 @@ def run_problem(args: argparse.Namespace, module: ModuleType) -> int:
             check(args)
         except ValueError as e:
             args.usage_error(str(e))  # exits with code 2
+    if device is not None and hasattr(module, "largest_inputs"):
+        check_inputs_fit(args, *module.largest_inputs(args, device), device)
 
     out = args.out
     if out is None:

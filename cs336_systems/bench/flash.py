@@ -24,8 +24,11 @@ from typing import TYPE_CHECKING
 from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import ITEMSIZE, inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "flash"
@@ -80,6 +83,11 @@ def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argpar
     return {**result, "peak_mem_mb": whole,
             "call_peak_mem_mb": one_call_peak_mib(call, device, grads_of=[q, k, v]),
             "floor_mem_mb": (tensors * q.numel() * q.element_size() + lse) / 2**20}
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    dtype = max(args.dtype, key=ITEMSIZE.__getitem__)
+    return inputs_bytes(("q", "k", "v", "dO"), dtype, (args.batch, max(args.seq), max(args.d)))
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

@@ -26,8 +26,11 @@ from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, positive_float, positive_int
 from cs336_systems.bench.record import key_of
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "leaderboard"
@@ -67,6 +70,14 @@ def check(args: argparse.Namespace) -> None:
     options.check_kernel_head_dims("--d", [args.d])
 
 
+def dtype_name(args: argparse.Namespace, device: torch.device) -> str:
+    return args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    return inputs_bytes(("q", "k", "v"), dtype_name(args, device), (args.n_heads, args.seq, args.d))
+
+
 def entries(requested: list[str] | None, on_cuda: bool, with_sdpa: bool) -> list[Row]:
     """Row fields (impl, variant, compiled, ...) and registry name of each implementation to time, in order."""
     variants = impls.ablation_variants()
@@ -92,9 +103,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
     device = rec.device
     on_cuda = device.type == "cuda"
-    dtype_name = args.dtype or ("bf16" if on_cuda else "fp32")
+    dtype = dtype_name(args, device)
     backend = options.compile_backend(args, on_cuda)
-    shape = dict(dtype=dtype_name, batch=1, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d, is_causal=True,
+    shape = dict(dtype=dtype, batch=1, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d, is_causal=True,
                  rep_ms=args.rep_ms, warmup_ms=args.warmup_ms)
     rows = []
     for entry in options.progress(entries(args.variant, on_cuda, not args.no_sdpa), args, NAME):
@@ -106,9 +117,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
         def measure(mode: str) -> dict[str, float]:
             if "fn" not in built:  # one build (and compile) for both modes; Unsupported becomes a row
-                built["fn"] = impls.build(registry, impls.Setup(device, dtype_name, args.seq, backend))
+                built["fn"] = impls.build(registry, impls.Setup(device, dtype, args.seq, backend))
             fn = built["fn"]
-            q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype_name),
+            q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype),
                                   requires_grad=True)
             if mode == "fwd_bwd":
 

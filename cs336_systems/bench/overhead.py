@@ -27,8 +27,11 @@ from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.record import Unsupported, key_of
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "overhead"
@@ -59,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     impls.check_names("--impls", args.impls, [args.d])
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    return inputs_bytes(("q", "k", "v", "dO"), args.dtype, (args.batch, args.n_heads, args.seq, args.d))
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

@@ -84,6 +84,7 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["resources", "--d", "0"],
     ["resources", "--d", "1024"],
     ["resources", "--arch", "0"],
+    *([problem, "--seq", str(10**12)] for problem in ("attention", "flash", "leaderboard", "overhead")),
 ], ids=lambda argv: " ".join(argv))
 def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -92,6 +93,15 @@ def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "usage: cs336-bench" in err and "error:" in err
     assert not list(tmp_path.iterdir()), "nothing may be written for a usage error"
+
+
+def test_inputs_larger_than_the_device_are_named(tmp_path, capsys):
+    """The README's promise: sizes that cannot run are usage errors before anything runs, not error rows."""
+    with pytest.raises(SystemExit) as exc:
+        run_cli("leaderboard", "--smoke", "--seq", str(10**12), "--out", str(tmp_path))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"inputs (q, k, v of 2 × {10**12} × 16 " in err and "GiB, more than the " in err
 
 
 def test_unwritable_out_fails_before_measuring(tmp_path, capsys):
