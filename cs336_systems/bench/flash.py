@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=positive_int, nargs="+")
     add_sized(p, "--dtype", full=["bf16", "fp32"], smoke=["fp32"], help="dtypes", choices=options.DTYPE_NAMES,
               nargs="+")
-    p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL",
+    p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL", type=impls.registry_name,
                    help="implementations, names of the impls registry (e.g. flash_pytorch, naive_compiled, "
                         "sdpa_math, flash_triton:causal_skip)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="passes to time")
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    impls.check_names("--impls", args.impls, args.d)
+    impls.check_head_dims(args.impls, args.d)
 
 
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:

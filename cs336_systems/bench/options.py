@@ -10,8 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,12 @@ def progress(items: Iterable, args: argparse.Namespace, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(list(items), desc=desc, disable=args.no_progress or not sys.stderr.isatty(), dynamic_ncols=True)
+
+
+def unknown_choice(what: str, value: str, allowed: Sequence[str]) -> str:
+    """"unknown <what> 'x'", and "; did you mean 'y'?" when one of `allowed` is close to it."""
+    close = difflib.get_close_matches(value, allowed, n=1)
+    return f"unknown {what} {value!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def choices_check(option: str, values: Iterable[str], allowed: Iterable[str]) -> None:

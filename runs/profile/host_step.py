@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--impls", nargs="+", default=[impls.SHIPPED, "sdpa_flash"])
+    ap.add_argument("--impls", nargs="+", default=[impls.SHIPPED, "sdpa_flash"], type=impls.registry_name)
     args = ap.parse_args()
-    impls.check_names("--impls", args.impls, [64])
+    impls.check_head_dims(args.impls, [64])
     q, k, v = (torch.randn(1, 16, args.seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
 
