@@ -156,19 +156,32 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
 
 def print_speedups(rows: list[Row]) -> None:
-    """This run's ok rows: median, harness mean, and the SDPA references' mean / ours."""
+    """This run's ok rows: median, harness mean, and the SDPA references' mean / ours (or what is missing)."""
     done = [r for r in rows if r.get("status") == "ok"]
     if not done:
         return
     print(f"\n{'variant':<28} {'mode':<8} {'median ms':>10} {'mean ms':>10}  speedup (reference mean / mean)")
-    refs = {(r["variant"], r["mode"]): r for r in done if r["impl"] in SDPA_REFERENCES}
+    refs = {(r["variant"], r["mode"]): r for r in rows if r["impl"] in SDPA_REFERENCES}
     for r in done:
-        speedups = [
-            f"vs {ref}={refs[(ref, r['mode'])]['ms_mean'] / r['ms_mean']:.2f}x"
-            for ref in SDPA_REFERENCES
-            if (ref, r["mode"]) in refs and r["impl"] not in SDPA_REFERENCES
-        ]
-        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {' '.join(speedups)}")
+        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {speedups(r, refs)}".rstrip())
+
+
+def speedups(r: Row, refs: dict[tuple[str, str], Row]) -> str:
+    """Each reference's ratio where both it and `r` were measured in this run on a GPU, else what is missing."""
+    if r["impl"] in SDPA_REFERENCES:
+        return ""
+    if r.get("timings_meaningless"):
+        return "none: timings off the GPU are meaningless"
+    cells = []
+    for ref in SDPA_REFERENCES:
+        other = refs.get((ref, r["mode"]))
+        if other is None:
+            cells.append(f"vs {ref}: not measured in this run")
+        elif other["status"] != "ok":
+            cells.append(f"vs {ref}: {report.status_cell(other)}")
+        else:
+            cells.append(f"vs {ref}={other['ms_mean'] / r['ms_mean']:.3g}x")
+    return ", ".join(cells)
 
 
 # ---------------------------------------------------------------------------------------------
