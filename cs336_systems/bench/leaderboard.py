@@ -8,13 +8,14 @@ Exactly the course's test, per implementation:
 The harness prints do_bench's mean, recorded as `ms_mean`; `ms` is the median of the same samples.
 Mode fwd_bwd is the harness; mode fwd times `flash(q, k, v, True)` alone. The same harness (not
 compiled) runs SDPA's flash and cuDNN backends on the (1, H, S, D) view of the same tensors, and the
-speedups of ours over them (same run) are printed at the end. `--seq 1024 --n-heads 16` gives the
-short-sequence run.
+speedups of ours over them (same run; on a GPU only, CPU timings being meaningless) are printed at the
+end. `--seq 1024 --n-heads 16` gives the short-sequence run.
 Variants: the keys of `cs336_systems.flash_ablation.ABLATION_VARIANTS` (rows: impl=flash_triton,
 `variant_index` their order, `shipped` on the last one), "naive" (materialized reference, compiled)
 and "flash_pytorch" (tiled PyTorch forward, run uncompiled: dynamo would unroll its Python tile loops),
-or "all". CPU smoke runs call our variants uncompiled (dynamo cannot trace Triton-interpreter kernels);
-every row records `compiled`, the do_bench rep/warmup, the device and the fp32 matmul precision.
+or "all"; "flash_triton" and its alias "flash" name the shipped variant. CPU smoke runs call our
+variants uncompiled (dynamo cannot trace Triton-interpreter kernels); every row records `compiled`,
+the do_bench rep/warmup, the device and the fp32 matmul precision.
 """
 
 from __future__ import annotations
