@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING
 from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "attention"
@@ -43,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     if args.no_eager and not args.compile:
         raise ValueError("--no-eager without --compile leaves nothing to run")
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    return inputs_bytes(("q", "k", "v", "dO"), args.dtype, (args.batch, max(args.seq), max(args.d)))
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

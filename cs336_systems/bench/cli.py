@@ -7,13 +7,17 @@ A problem is a module with
     render(rows, out)       markdown sections of its table.md; plots saved through `report.Output`
 and optionally
     check(args)             raise ValueError on a bad combination of options (-> usage error, exit 2)
+    largest_inputs(args, device) -> (bytes, description)
+                            the input tensors of the largest measurement: sizes whose inputs exceed
+                            the device's memory are usage errors
     NEEDS_DEVICE = False    runs without a device (no CUDA check, rows say gpu "none"), or
     needs_device(args)      the same decided per invocation (allreduce: Gloo alone needs no GPU)
     FIELDS, OK_FIELDS       {field: type} every row / every ok row must have for `render` (the report
-                            skips other rows with a warning)
+                            skips other rows with a warning, --resume measures them again)
 Problem modules import torch only inside their functions, so that `--help` stays instant. Plugging a
 new problem in is one entry in `PROBLEMS`. Every subcommand takes --out, --resume, --smoke and
---no-progress; bad sizes are usage errors (exit 2) before anything is measured or written.
+--no-progress; bad sizes are usage errors (exit 2) before anything is measured or written; Ctrl-C
+stops a sweep with exit code 130, the rows recorded so far kept.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from cs336_systems.bench import (
     allreduce,
@@ -40,11 +45,15 @@ from cs336_systems.bench import (
     resources,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, coldstart, resources, allreduce,
                         ddp)
 }
 DEFAULT_OUT = Path("runs")
+INTERRUPTED = 130  # the shell's exit status for SIGINT
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -93,12 +102,30 @@ def select_device(smoke: bool):
     return torch.device("cpu")
 
 
+def check_inputs_fit(args: argparse.Namespace, need: int, inputs: str, device: torch.device) -> None:
+    """A usage error (exit 2) when the inputs alone exceed what the device can hold."""
+    from cs336_systems.bench.timing import memory_bytes
+
+    have = memory_bytes(device)
+    if need > have:
+        args.usage_error(f"the largest measurement's inputs ({inputs}) need {need / 2**30:,.1f} GiB, more than the "
+                         f"{device.type} memory ({have / 2**30:,.1f} GiB): pass smaller sizes")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == report.NAME:
         return report.run(args, PROBLEMS)
-    module = PROBLEMS[args.command]
+    try:
+        return run_problem(args, PROBLEMS[args.command])
+    except KeyboardInterrupt:  # before the first row: importing torch, waiting for another run's lock
+        print(f"\ncs336-bench {args.command}: interrupted; nothing recorded", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run_problem(args: argparse.Namespace, module: ModuleType) -> int:
+    """Select the device, check the options, and run one problem's sweep into its Recorder."""
     options.resolve_sized(args)
 
     device = None
@@ -118,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             check(args)
         except ValueError as e:
             args.usage_error(str(e))  # exits with code 2
+    if device is not None and hasattr(module, "largest_inputs"):
+        check_inputs_fit(args, *module.largest_inputs(args, device), device)
 
     out = args.out
     if out is None:
@@ -125,13 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     from cs336_systems.bench.record import Recorder
 
     try:
-        recorder = Recorder(out, args.command, device, resume=args.resume, smoke=args.smoke)
+        recorder = Recorder(out, args.command, device, resume=args.resume, smoke=args.smoke, schema=module)
     except OSError as e:
         print(f"cs336-bench {args.command}: cannot write results under {out}: {e}", file=sys.stderr)
         return 2
-    print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} out={recorder.path}")
-    rc = module.run(args, recorder) or 0
-    print(recorder.summary())
+    with recorder:
+        print(f"cs336-bench {args.command}: device={recorder.meta['gpu']} run_id={recorder.run_id} "
+              f"out={recorder.path}")
+        try:
+            rc = module.run(args, recorder) or 0
+        except KeyboardInterrupt:
+            n = sum(recorder.counts.values())
+            print(f"\ncs336-bench {args.command}: interrupted; {n} row{'s' * (n != 1)} kept in {recorder.path}, "
+                  "rerun with --resume", file=sys.stderr)
+            return INTERRUPTED
+        print(recorder.summary())
     if rc == 0 and any(k.startswith("error") for k in recorder.counts):
         rc = 1
     return rc

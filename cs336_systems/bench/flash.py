@@ -24,8 +24,11 @@ from typing import TYPE_CHECKING
 from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import ITEMSIZE, inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "flash"
@@ -44,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--d", full=[16, 32, 64, 128], smoke=[16], help="head dims", type=positive_int, nargs="+")
     add_sized(p, "--dtype", full=["bf16", "fp32"], smoke=["fp32"], help="dtypes", choices=options.DTYPE_NAMES,
               nargs="+")
-    p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL",
+    p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL", type=impls.registry_name,
                    help="implementations, names of the impls registry (e.g. flash_pytorch, naive_compiled, "
                         "sdpa_math, flash_triton:causal_skip)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="passes to time")
@@ -55,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    impls.check_names("--impls", args.impls, args.d)
+    impls.check_head_dims(args.impls, args.d)
 
 
 def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argparse.Namespace) -> dict[str, float]:
@@ -80,6 +83,11 @@ def measure_mode(attn, mode: str, q, k, v, is_causal: bool, device, args: argpar
     return {**result, "peak_mem_mb": whole,
             "call_peak_mem_mb": one_call_peak_mib(call, device, grads_of=[q, k, v]),
             "floor_mem_mb": (tensors * q.numel() * q.element_size() + lse) / 2**20}
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    dtype = max(args.dtype, key=ITEMSIZE.__getitem__)
+    return inputs_bytes(("q", "k", "v", "dO"), dtype, (args.batch, max(args.seq), max(args.d)))
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

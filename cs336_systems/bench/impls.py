@@ -18,6 +18,10 @@ Every benchmark (attention, flash, leaderboard, model, overhead) builds its call
   NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton, the SDPA
                    backends: the same-run yardstick for our op under CUDA graphs)
 
+"flash" is an alias of flash_triton in every subcommand. `registry_name` is the argparse type of the
+options that take these names: an unknown one is a usage error before torch is imported, with the
+closest name and a pointer to the list (`python -m cs336_systems.bench.impls` prints it).
+
 `build(name, setup)` raises `Unsupported` (recorded as an "unsupported" row) where the combination
 cannot run: an SDPA backend without a kernel for the dtype / device, or torch.compile around our
 kernels under the Triton interpreter. The module imports torch only inside the builders.
@@ -25,11 +29,15 @@ kernels under the Triton interpreter. The module imports torch only inside the b
 
 from __future__ import annotations
 
+import argparse
+import ast
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cs336_systems.bench.options import check_kernel_head_dims, unknown_choice
 from cs336_systems.bench.record import Unsupported
 
 if TYPE_CHECKING:
@@ -38,6 +46,9 @@ if TYPE_CHECKING:
 Attention = Callable[..., Any]  # attn(q, k, v, is_causal) -> o
 ABLATION_PREFIX = "flash_triton:"
 SHIPPED = "flash_triton"
+ALIASES = {"flash": SHIPPED}  # our kernel's old name
+LISTING = "python -m cs336_systems.bench.impls"  # prints every name
+ABLATION_SOURCE = Path(__file__).resolve().parents[1] / "flash_ablation.py"
 COMPILE_SUFFIXES = {"_compiled": "default", "_cudagraphs": "reduce-overhead"}
 SDPA_BACKENDS = {  # impl -> (torch.nn.attention.SDPBackend member, dtypes it accepts on CUDA)
     "sdpa_flash": ("FLASH_ATTENTION", ("bf16", "fp16")),
@@ -152,11 +163,14 @@ BASE_IMPLS = {
 }
 
 
-def ablation_variants() -> list[str]:
-    """The ablation variants' keys, in order (the last one is the shipped kernel)."""
-    from cs336_systems.flash_ablation import ABLATION_VARIANTS
-
-    return list(ABLATION_VARIANTS)
+@functools.cache
+def ablation_variants() -> tuple[str, ...]:
+    """The ablation variants' keys, in order (the last one is the shipped kernel), read from the dict
+    literal in flash_ablation's source: names are checked before torch (which that module imports) is."""
+    for node in ast.parse(ABLATION_SOURCE.read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ABLATION_VARIANTS":
+            return tuple(ast.literal_eval(key) for key in node.value.keys)
+    raise RuntimeError(f"no ABLATION_VARIANTS dict literal in {ABLATION_SOURCE}")
 
 
 def base_impls() -> dict[str, Impl]:
@@ -184,7 +198,19 @@ def parse(name: str) -> tuple[Impl, str | None]:
         base = bases.get(name.removesuffix(suffix))
         if name.endswith(suffix) and base is not None and suffix in base.compile_modes:
             return base, mode
-    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(names())}")
+    raise ValueError(unknown_name(name))
+
+
+def unknown_name(name: str) -> str:
+    return f"{unknown_choice('implementation', name, [*names(), *ALIASES])} (every name: {LISTING})"
+
+
+def registry_name(text: str) -> str:
+    """argparse type of an implementation option: the registry name (aliases resolved), or a usage error."""
+    name = ALIASES.get(text, text)
+    if name not in names():
+        raise argparse.ArgumentTypeError(unknown_name(text))
+    return name
 
 
 def build(name: str, setup: Setup) -> Attention:
@@ -205,11 +231,8 @@ def build(name: str, setup: Setup) -> Attention:
     )
 
 
-def check_names(option: str, requested: list[str], head_dims: list[int]) -> None:
-    """ValueError naming `option` for an unknown name, or a head dim our kernels refuse when one runs them."""
-    from cs336_systems.bench.options import check_kernel_head_dims, choices_check
-
-    choices_check(option, requested, names())
+def check_head_dims(requested: list[str], head_dims: list[int]) -> None:
+    """ValueError for a head dim our kernels refuse, when one of the `requested` names runs them."""
     if any(uses_triton(name) for name in requested):
         check_kernel_head_dims("--d", head_dims)
 
@@ -217,3 +240,7 @@ def check_names(option: str, requested: list[str], head_dims: list[int]) -> None
 def uses_triton(name: str) -> bool:
     """Whether `name` runs our Triton kernels (so cannot be torch.compile'd under the interpreter)."""
     return parse(name)[0].triton
+
+
+if __name__ == "__main__":
+    print("\n".join(names()))

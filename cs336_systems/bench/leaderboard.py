@@ -8,13 +8,14 @@ Exactly the course's test, per implementation:
 The harness prints do_bench's mean, recorded as `ms_mean`; `ms` is the median of the same samples.
 Mode fwd_bwd is the harness; mode fwd times `flash(q, k, v, True)` alone. The same harness (not
 compiled) runs SDPA's flash and cuDNN backends on the (1, H, S, D) view of the same tensors, and the
-speedups of ours over them (same run) are printed at the end. `--seq 1024 --n-heads 16` gives the
-short-sequence run.
+speedups of ours over them (same run; on a GPU only, CPU timings being meaningless) are printed at the
+end. `--seq 1024 --n-heads 16` gives the short-sequence run.
 Variants: the keys of `cs336_systems.flash_ablation.ABLATION_VARIANTS` (rows: impl=flash_triton,
 `variant_index` their order, `shipped` on the last one), "naive" (materialized reference, compiled)
 and "flash_pytorch" (tiled PyTorch forward, run uncompiled: dynamo would unroll its Python tile loops),
-or "all". CPU smoke runs call our variants uncompiled (dynamo cannot trace Triton-interpreter kernels);
-every row records `compiled`, the do_bench rep/warmup, the device and the fp32 matmul precision.
+or "all"; "flash_triton" and its alias "flash" name the shipped variant. CPU smoke runs call our
+variants uncompiled (dynamo cannot trace Triton-interpreter kernels); every row records `compiled`,
+the do_bench rep/warmup, the device and the fp32 matmul precision.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, positive_float, positive_int
 from cs336_systems.bench.record import key_of
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "leaderboard"
@@ -47,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variant",
         action="append",
         default=None,
-        help="ABLATION_VARIANTS key, naive, flash_pytorch, or all (repeatable; default: the shipped variant)",
+        type=variant,
+        help="ABLATION_VARIANTS key, naive, flash_pytorch, or all; flash or flash_triton: the shipped variant "
+             "(repeatable; default: the shipped variant)",
     )
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA flash / cuDNN reference rows")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="harness (fwd_bwd) and forward only")
@@ -61,10 +67,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_compile_backend_arg(p)
 
 
+def variant(text: str) -> str:
+    """argparse type of --variant; our kernel's registry names (flash_triton, its alias flash) are the
+    shipped variant, as they are our shipped kernel in every subcommand."""
+    variants = impls.ablation_variants()
+    if impls.ALIASES.get(text, text) == impls.SHIPPED:
+        return variants[-1]
+    choices = [*variants, *EXTRA_VARIANTS, "all"]
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"{options.unknown_choice('variant', text, choices)} "
+                                         f"(choose from {', '.join(choices)})")
+    return text
+
+
 def check(args: argparse.Namespace) -> None:
-    choices = [*impls.ablation_variants(), *EXTRA_VARIANTS, "all"]
-    options.choices_check("--variant", args.variant or [], choices)
     options.check_kernel_head_dims("--d", [args.d])
+
+
+def dtype_name(args: argparse.Namespace, device: torch.device) -> str:
+    return args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    return inputs_bytes(("q", "k", "v"), dtype_name(args, device), (args.n_heads, args.seq, args.d))
 
 
 def entries(requested: list[str] | None, on_cuda: bool, with_sdpa: bool) -> list[Row]:
@@ -92,9 +117,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
     device = rec.device
     on_cuda = device.type == "cuda"
-    dtype_name = args.dtype or ("bf16" if on_cuda else "fp32")
+    dtype = dtype_name(args, device)
     backend = options.compile_backend(args, on_cuda)
-    shape = dict(dtype=dtype_name, batch=1, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d, is_causal=True,
+    shape = dict(dtype=dtype, batch=1, n_heads=args.n_heads, seq_len=args.seq, d_head=args.d, is_causal=True,
                  rep_ms=args.rep_ms, warmup_ms=args.warmup_ms)
     rows = []
     for entry in options.progress(entries(args.variant, on_cuda, not args.no_sdpa), args, NAME):
@@ -106,9 +131,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
         def measure(mode: str) -> dict[str, float]:
             if "fn" not in built:  # one build (and compile) for both modes; Unsupported becomes a row
-                built["fn"] = impls.build(registry, impls.Setup(device, dtype_name, args.seq, backend))
+                built["fn"] = impls.build(registry, impls.Setup(device, dtype, args.seq, backend))
             fn = built["fn"]
-            q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype_name),
+            q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype),
                                   requires_grad=True)
             if mode == "fwd_bwd":
 
@@ -132,19 +157,32 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
 
 def print_speedups(rows: list[Row]) -> None:
-    """This run's ok rows: median, harness mean, and the SDPA references' mean / ours."""
+    """This run's ok rows: median, harness mean, and the SDPA references' mean / ours (or what is missing)."""
     done = [r for r in rows if r.get("status") == "ok"]
     if not done:
         return
     print(f"\n{'variant':<28} {'mode':<8} {'median ms':>10} {'mean ms':>10}  speedup (reference mean / mean)")
-    refs = {(r["variant"], r["mode"]): r for r in done if r["impl"] in SDPA_REFERENCES}
+    refs = {(r["variant"], r["mode"]): r for r in rows if r["impl"] in SDPA_REFERENCES}
     for r in done:
-        speedups = [
-            f"vs {ref}={refs[(ref, r['mode'])]['ms_mean'] / r['ms_mean']:.2f}x"
-            for ref in SDPA_REFERENCES
-            if (ref, r["mode"]) in refs and r["impl"] not in SDPA_REFERENCES
-        ]
-        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {' '.join(speedups)}")
+        print(f"{r['variant']:<28} {r['mode']:<8} {r['ms']:>10.3f} {r['ms_mean']:>10.3f}  {speedups(r, refs)}".rstrip())
+
+
+def speedups(r: Row, refs: dict[tuple[str, str], Row]) -> str:
+    """Each reference's ratio where both it and `r` were measured in this run on a GPU, else what is missing."""
+    if r["impl"] in SDPA_REFERENCES:
+        return ""
+    if r.get("timings_meaningless"):
+        return "none: timings off the GPU are meaningless"
+    cells = []
+    for ref in SDPA_REFERENCES:
+        other = refs.get((ref, r["mode"]))
+        if other is None:
+            cells.append(f"vs {ref}: not measured in this run")
+        elif other["status"] != "ok":
+            cells.append(f"vs {ref}: {report.status_cell(other)}")
+        else:
+            cells.append(f"vs {ref}={other['ms_mean'] / r['ms_mean']:.3g}x")
+    return ", ".join(cells)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ NAME = "model"
 HELP = "end-to-end Transformer LM fwd / bwd / fwd_bwd / train-step timing and memory, eager vs compiled"
 MODES = ("fwd", "bwd", "fwd_bwd", "step")
 SIZES = ("small", "medium", "large", "xl", "2.7B")
-ALIASES = {"flash": impls.SHIPPED}
 COMPILE_CHOICES = {"both": (False, True), "eager": (False,), "compiled": (True,)}
 SMOKE_SIZE = "smoke"
 FIELDS = {"mode": str, "dtype": str, "batch": int, "model_size": str, "context_length": int, "compiled": bool}
@@ -47,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=positive_int, default=10_000, help="vocabulary size")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what one timed step does")
     p.add_argument("--compile", choices=list(COMPILE_CHOICES), default="both", help="eager, compiled, or both")
-    p.add_argument("--attention", nargs="+", default=["naive"], metavar="IMPL",
+    p.add_argument("--attention", nargs="+", default=["naive"], metavar="IMPL", type=impls.registry_name,
                    help="attention implementation(s), names of the impls registry ('flash' = flash_triton)")
     p.add_argument(
         "--dtype",
@@ -56,11 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fp32 weights; bf16 = torch.autocast(bfloat16) around forward and loss",
     )
     options.add_compile_backend_arg(p)
-
-
-def check(args: argparse.Namespace) -> None:
-    args.attention = [ALIASES.get(a, a) for a in args.attention]
-    impls.check_names("--attention", args.attention, [])
 
 
 @contextmanager

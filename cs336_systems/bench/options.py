@@ -10,8 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def resolve_sized(args: argparse.Namespace) -> None:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="output root (default: runs/; a temp dir with --smoke)")
-    p.add_argument("--resume", action="store_true", help="skip keys that already have an ok/oom row")
+    p.add_argument("--resume", action="store_true", help="skip keys that already have an ok, oom or unsupported row")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -112,6 +113,12 @@ def progress(items: Iterable, args: argparse.Namespace, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(list(items), desc=desc, disable=args.no_progress or not sys.stderr.isatty(), dynamic_ncols=True)
+
+
+def unknown_choice(what: str, value: str, allowed: Sequence[str]) -> str:
+    """"unknown <what> 'x'", and "; did you mean 'y'?" when one of `allowed` is close to it."""
+    close = difflib.get_close_matches(value, allowed, n=1)
+    return f"unknown {what} {value!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def choices_check(option: str, values: Iterable[str], allowed: Iterable[str]) -> None:

@@ -27,8 +27,11 @@ from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.record import Unsupported, key_of
 from cs336_systems.bench.report import Output, Row
+from cs336_systems.bench.timing import inputs_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from cs336_systems.bench.record import Recorder
 
 NAME = "overhead"
@@ -42,6 +45,7 @@ OK_FIELDS = {"ms": (int, float), "host_us": (int, float), "wall_ms": (int, float
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", nargs="+", default=[impls.SHIPPED, "sdpa_flash"], metavar="IMPL",
+                   type=impls.registry_name,
                    help="implementations, names of the impls registry (e.g. flash_triton_cudagraphs, sdpa_cudnn)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="passes to time")
     add_sized(p, "--batch", full=1, smoke=1, help="batch size", type=positive_int)
@@ -58,7 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    impls.check_names("--impls", args.impls, [args.d])
+    impls.check_head_dims(args.impls, [args.d])
+
+
+def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
+    return inputs_bytes(("q", "k", "v", "dO"), args.dtype, (args.batch, args.n_heads, args.seq, args.d))
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> int:

@@ -6,9 +6,11 @@ per-measurement failure policy (CUDA OOM -> an "oom" row, `Unsupported` -> an "u
 other exception -> an "error: ..." row with its traceback on stderr; the sweep continues, finished
 rows are already on disk).
 
-A row's identity (`KEY_FIELDS`, used by `--resume` and by the report) includes the device (`gpu`),
-the `smoke` mark and the timing settings (do_bench rep/warmup, timed/warm-up iterations or steps), so
-rows of another GPU, of the CPU or of other settings are never taken for the same measurement. The
+One run at a time writes a file (a lock on it); `--resume` skips the keys with an ok, oom or
+unsupported row. A row's identity (`KEY_FIELDS`, used by `--resume` and by the report) includes the
+device (`gpu`), the `smoke` mark and the timing settings (do_bench rep/warmup, timed/warm-up
+iterations or steps), so rows of another GPU, of the CPU or of other settings are never taken for the
+same measurement. The
 file is only ever appended to; every append starts on a fresh line, so a cut last line (killed run,
 an editor that drops the final newline) stays a lone unparsable line that readers skip with a warning.
 torch is imported lazily: this module is imported when the CLI builds its parser.
@@ -16,6 +18,7 @@ torch is imported lazily: this module is imported when the CLI builds its parser
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -27,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from cs336_systems.bench.timing import free_memory, peak_memory_mib
@@ -64,8 +68,14 @@ KEY_FIELDS = (
 )
 # Measurement fields every row carries (null when the measurement did not complete).
 METRIC_FIELDS = ("ms", "ms_p20", "ms_p80", "tflops", "peak_mem_mb")
-DONE_STATUSES = ("ok", "oom")
+DONE_STATUSES = ("ok", "oom", "unsupported")  # what --resume does not measure again
 LOG_FIELDS = ("impl", "variant", "kernel", "model_size", "compiled", "mode", "dtype", "seq_len", "d_head")
+NUMBER = (int, float)
+# Optional numeric fields: when present they must be numbers (or null).
+NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
+# Times that tables divide by and plots take logs of: when present, positive and finite.
+TIME_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean")
+BASE_FIELDS = {"status": str, "impl": str}
 MAX_ERROR_CHARS = 500
 COMMIT_ENV = "CS336_BENCH_COMMIT"  # overrides git (e.g. on a machine that gets the tree without .git)
 NO_DEVICE = "none"  # `gpu` of rows measured without a device (resources)
@@ -87,21 +97,67 @@ def read_rows(path: Path) -> list[Row]:
     if not path.exists():
         return []
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
+    with path.open("rb") as f:  # decoded line by line: a stray non-UTF-8 byte costs its line only
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line:
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = json.loads(line.decode())
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 row = None
             if isinstance(row, dict):
                 rows.append(row)
             else:
-                print(f"warning: {path}:{number}: skipping a line that is not a JSON object: {line[:80]!r}",
+                print(f"warning: {path}:{number}: skipping a line that is not a JSON object: "
+                      f"{line[:80].decode(errors='replace')!r}",
                       file=sys.stderr)
     return rows
+
+
+def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and kind in (int, NUMBER):
+        return False
+    return isinstance(value, kind)
+
+
+def problem_of_row(row: Row, schema: ModuleType | None) -> str | None:
+    """Why `row` cannot be rendered (missing or mistyped field, a time that is not positive and finite),
+    or None when it can. `schema`: the problem module, whose FIELDS / OK_FIELDS the row must have."""
+    fields = {**BASE_FIELDS, **getattr(schema, "FIELDS", {})} if schema is not None else {"status": str}
+    if row.get("status") == "ok":
+        fields.update(getattr(schema, "OK_FIELDS", {}))
+    for field, kind in fields.items():
+        if field not in row:
+            return f"missing {field!r}"
+        if not type_ok(row[field], kind):
+            return f"{field!r} is {row[field]!r}"
+    for field in NUMERIC_FIELDS:
+        value = row.get(field)
+        if value is None:
+            continue
+        if not type_ok(value, NUMBER):
+            return f"{field!r} is {value!r}, not a number"
+        if field in TIME_FIELDS and not (math.isfinite(value) and value > 0):
+            return f"{field!r} is {value!r}, not a positive finite time"
+    return None
+
+
+def valid_rows(rows: list[Row], schema: ModuleType | None, path: Path, shown: int = 3) -> list[Row]:
+    """The rows the report can render (and `--resume` may count as done); the others are counted and
+    the first few shown on stderr."""
+    kept, skipped = [], 0
+    for r in rows:
+        reason = problem_of_row(r, schema)
+        if reason is None:
+            kept.append(r)
+            continue
+        skipped += 1
+        if skipped <= shown:
+            print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
+    if skipped > shown:
+        print(f"warning: {path}: skipped {skipped} rows in all", file=sys.stderr)
+    return kept
 
 
 def git_commit() -> str:
@@ -173,11 +229,14 @@ class Recorder:
     """Appends one flat JSON row per measurement to `<out>/<problem>/metrics.jsonl`.
 
     `device` None means nothing runs on a device (rows say gpu "none"). The output file is opened for
-    appending here, so an unwritable `--out` fails before the first measurement.
+    appending here, so an unwritable `--out` fails before the first measurement, and locked until `close`
+    (a second run into the same file waits, then resumes from what the first recorded). With `resume`,
+    the rows that `valid_rows(rows, schema)` keeps (as the report does) and that completed are done.
     """
 
     def __init__(
-        self, out: Path, problem: str, device: torch.device | None, resume: bool = False, smoke: bool = False
+        self, out: Path, problem: str, device: torch.device | None, resume: bool = False, smoke: bool = False,
+        schema: ModuleType | None = None,
     ) -> None:
         self.problem = problem
         self.device = device
@@ -185,14 +244,29 @@ class Recorder:
         self.dir = Path(out) / problem
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        with self.path.open("a"):
-            pass
+        self.lock = self.path.open("a")  # the data file itself: no lock file left beside committed rows
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run writing {self.path} to finish", file=sys.stderr)
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
         self.run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         self.meta = {**run_metadata(device), "run_id": self.run_id}
         self.done: set[tuple] = set()
         if resume:
-            self.done = {key_of(r) for r in read_rows(self.path) if r.get("status") in DONE_STATUSES}
+            rows = valid_rows(read_rows(self.path), schema, self.path)
+            self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES}
         self.counts: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Release the file lock (the process's exit releases it too)."""
+        self.lock.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def base_row(self, fields: Row) -> Row:
         row = {"problem": self.problem, **fields, **self.meta}

@@ -1,13 +1,14 @@
 """report: render `<out>/<problem>/table.md` and PNG plots from each problem's metrics.jsonl.
 
 Only the JSONL files are read. Each problem module renders its own rows (`render(rows, out)`); this
-module is the shared toolkit (row validation, latest rows, pivots, markdown, plot helpers, one colour
-and label per implementation) and the loop over problems. Rows sharing a measurement key keep the
+module is the shared toolkit (latest rows, pivots, markdown, plot helpers, one colour and label per
+implementation) and the loop over problems. Rows sharing a measurement key keep the
 latest ok row (else the latest row, so OOM / unsupported / error cells still show); non-ok cells print
 their status. Rows of different devices (and --smoke rows) are never mixed: each device gets its own
 section, and its plots a file-name suffix after the first device's. Rows that do not match the
-problem's schema are skipped with a warning; the other rows and problems still render. The exit code
-is 1 only when a problem named in --problems has no valid rows.
+problem's schema (`record.valid_rows`, which `--resume` applies too) are skipped with a warning; the
+other rows and problems still render. The exit code is 2 when --out is not a folder or cannot be
+written, 1 when a problem named in --problems has no valid rows or --out holds no metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cs336_systems.bench.record import KEY_FIELDS, Row, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, NUMBER, Row, key_of, read_rows, valid_rows
 
 NAME = "report"
 HELP = "render table.md and PNG plots from <out>/<problem>/metrics.jsonl"
@@ -39,10 +40,6 @@ IMPL_STYLE = {  # name -> (label in tables and legends, colour): the same in eve
 }
 IMPL_ORDER = tuple(IMPL_STYLE)
 EXTRA_COLORS = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39")
-NUMBER = (int, float)
-# Optional numeric fields: when present they must be numbers (or null).
-NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
-BASE_FIELDS = {"status": str, "impl": str}
 FIGURE_WIDTH = 10.0  # inches: two panels per row fill a page
 PANEL_HEIGHT = 3.6
 
@@ -55,13 +52,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
-    """Render every problem found (or named); exit code 1 when a problem named in --problems has no valid rows."""
+    """Render every problem found (or named). Exit code 2 when --out is not a folder or a table or plot
+    cannot be written there (the other problems still render); else 1 when a problem named in --problems
+    has no valid rows or --out holds no metrics.jsonl."""
+    if not args.out.is_dir():
+        print(f"report: --out {args.out}: {'not a folder' if args.out.exists() else 'no such folder'}",
+              file=sys.stderr)
+        return 2
     import matplotlib
 
     matplotlib.use("Agg")
     found = [p for p in problems if (args.out / p / "metrics.jsonl").exists()]
     requested = args.problems or found
-    missing = []
+    if not requested:
+        print(f"report: no <problem>/metrics.jsonl under {args.out}", file=sys.stderr)
+        return 1
+    missing, unwritable = [], False
     for problem in requested:
         path = args.out / problem / "metrics.jsonl"
         module = problems.get(problem)
@@ -71,66 +77,41 @@ def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
             if args.problems:
                 missing.append(problem)
             continue
-        render = module.render if module is not None else render_generic
-        sections, plots = [], []
-        devices = group_by_device(rows)
-        for i, (label, device_rows) in enumerate(devices):
-            out = Output(args.out / problem, "" if i == 0 else slug("", label))
-            body = render(device_rows, out)
-            if len(devices) > 1:
-                body = [f"## Device: {label}"] + [demote(s) for s in body]
-            sections += body
-            plots += out.saved
-        table = args.out / problem / "table.md"
-        table.write_text(header(problem, rows) + "\n\n".join(sections) + "\n")
+        try:
+            table, plots = render_problem(problem, rows, module, args.out / problem)
+        except OSError as e:
+            print(f"report: cannot write under {args.out / problem}: {e}", file=sys.stderr)
+            unwritable = True
+            continue
         print(f"report: {table}" + "".join(f"\n        {p}" for p in plots))
+    if unwritable:
+        return 2
     if missing:
         print(f"report: nothing to render for {', '.join(missing)}", file=sys.stderr)
         return 1
     return 0
 
 
+def render_problem(problem: str, rows: list[Row], module: ModuleType | None, folder: Path) -> tuple[Path, list[Path]]:
+    """Write `folder`/table.md and the plots of one problem's valid rows; return their paths."""
+    render = module.render if module is not None else render_generic
+    sections, plots = [], []
+    devices = group_by_device(rows)
+    for i, (label, device_rows) in enumerate(devices):
+        out = Output(folder, "" if i == 0 else slug("", label))
+        body = render(device_rows, out)
+        if len(devices) > 1:
+            body = [f"## Device: {label}"] + [demote(s) for s in body]
+        sections += body
+        plots += out.saved
+    table = folder / "table.md"
+    table.write_text(header(problem, rows) + "\n\n".join(sections) + "\n")
+    return table, plots
+
+
 # ---------------------------------------------------------------------------------------------
-# Row validation and device separation
+# Device separation
 # ---------------------------------------------------------------------------------------------
-
-
-def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and kind in (int, NUMBER):
-        return False
-    return isinstance(value, kind)
-
-
-def problem_of_row(row: Row, module: ModuleType | None) -> str | None:
-    """Why `row` cannot be rendered (missing or mistyped field), or None when it can."""
-    fields = {**BASE_FIELDS, **getattr(module, "FIELDS", {})} if module is not None else {"status": str}
-    if row.get("status") == "ok":
-        fields.update(getattr(module, "OK_FIELDS", {}))
-    for field, kind in fields.items():
-        if field not in row:
-            return f"missing {field!r}"
-        if not type_ok(row[field], kind):
-            return f"{field!r} is {row[field]!r}"
-    for field in NUMERIC_FIELDS:
-        if row.get(field) is not None and not type_ok(row[field], NUMBER):
-            return f"{field!r} is {row[field]!r}, not a number"
-    return None
-
-
-def valid_rows(rows: list[Row], module: ModuleType | None, path: Path, shown: int = 3) -> list[Row]:
-    """The rows `render` can use; the others are counted and the first few shown on stderr."""
-    kept, skipped = [], 0
-    for r in rows:
-        reason = problem_of_row(r, module)
-        if reason is None:
-            kept.append(r)
-            continue
-        skipped += 1
-        if skipped <= shown:
-            print(f"warning: {path}: skipping a row ({reason}): {str(r)[:100]}", file=sys.stderr)
-    if skipped > shown:
-        print(f"warning: {path}: skipped {skipped} rows in all", file=sys.stderr)
-    return kept
 
 
 def device_label(r: Row) -> str:
@@ -351,8 +332,10 @@ class Output:
         fig.suptitle(title, fontsize=11)
         fig.tight_layout()
         path = self.dir / f"{name}{self.suffix}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=110)
+        finally:  # an unwritable folder must not leave the figure open
+            plt.close(fig)
         self.saved.append(path)
         return path
 

@@ -15,9 +15,11 @@ Three ways to time a callable:
 from __future__ import annotations
 
 import gc
+import math
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,12 +27,28 @@ if TYPE_CHECKING:
 
 QUANTILES = (0.5, 0.2, 0.8)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, DTYPES[name])
+
+
+def inputs_bytes(names: Sequence[str], dtype: str, shape: Sequence[int]) -> tuple[int, str]:
+    """Bytes of one `dtype` tensor of `shape` per name, and a description ("q, k, v of 1 × 64 × 16 fp32")."""
+    description = f"{', '.join(names)} of {' × '.join(map(str, shape))} {dtype}"
+    return len(names) * math.prod(shape) * ITEMSIZE[dtype], description
+
+
+def memory_bytes(device: torch.device) -> int:
+    """What `device` can hold at most: a GPU's total memory, the host's physical RAM for the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def synchronize(device: torch.device) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from cs336_systems.bench import cli, options
 
-from .helpers import run_cli
+from .helpers import rows_of, run_cli
 
 
 def test_parser_imports_no_torch():
@@ -84,6 +84,7 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["resources", "--d", "0"],
     ["resources", "--d", "1024"],
     ["resources", "--arch", "0"],
+    *([problem, "--seq", str(10**12)] for problem in ("attention", "flash", "leaderboard", "overhead")),
 ], ids=lambda argv: " ".join(argv))
 def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -92,6 +93,15 @@ def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "usage: cs336-bench" in err and "error:" in err
     assert not list(tmp_path.iterdir()), "nothing may be written for a usage error"
+
+
+def test_inputs_larger_than_the_device_are_named(tmp_path, capsys):
+    """The README's promise: sizes that cannot run are usage errors before anything runs, not error rows."""
+    with pytest.raises(SystemExit) as exc:
+        run_cli("leaderboard", "--smoke", "--seq", str(10**12), "--out", str(tmp_path))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"inputs (q, k, v of 2 × {10**12} × 16 " in err and "GiB, more than the " in err
 
 
 def test_unwritable_out_fails_before_measuring(tmp_path, capsys):
@@ -108,3 +118,35 @@ def test_head_dims_past_the_kernels_limit_are_refused(tmp_path, capsys):
         run_cli("leaderboard", "--smoke", "--d", str(MAX_HEAD_DIM + 1), "--out", str(tmp_path))
     assert exc.value.code == 2 and f"head dims up to {MAX_HEAD_DIM}" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_keeps_the_rows_and_says_how_to_resume(monkeypatch, tmp_path, capsys):
+    fields = dict(impl="naive", mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=8, d_head=4, is_causal=True)
+
+    def interrupted(args, rec):
+        rec.measure(fields, lambda: {"ms": 1.0})
+
+        def ctrl_c():
+            raise KeyboardInterrupt
+
+        rec.measure({**fields, "mode": "bwd"}, ctrl_c)
+
+    def run_attention() -> int:
+        try:
+            return run_cli("attention", "--smoke", "--out", str(tmp_path))
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C ended in a traceback")
+
+    monkeypatch.setattr(cli.PROBLEMS["attention"], "run", interrupted)
+    assert run_attention() == 130
+    path = tmp_path / "attention" / "metrics.jsonl"
+    assert capsys.readouterr().err.strip() == (f"cs336-bench attention: interrupted; 1 row kept in {path}, "
+                                               "rerun with --resume")
+    assert [r["mode"] for r in rows_of(tmp_path, "attention")] == ["fwd"]
+
+    def ctrl_c_at_start(smoke):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "select_device", ctrl_c_at_start)
+    assert run_attention() == 130
+    assert capsys.readouterr().err.strip() == "cs336-bench attention: interrupted; nothing recorded"

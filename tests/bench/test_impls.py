@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from cs336_systems.bench import impls
+from cs336_systems.bench import cli, impls
 from cs336_systems.bench.record import Unsupported
 
 CPU = impls.Setup(torch.device("cpu"), "fp32", seq_len=32, compile_backend="aot_eager")
@@ -48,6 +51,46 @@ def test_every_ablation_variant_computes_attention():
     for variant in impls.ablation_variants():
         o = impls.build(f"flash_triton:{variant}", CPU)(q, k, v, True)
         torch.testing.assert_close(o, reference(q, k, v, True), atol=2e-3, rtol=2e-3)
+
+
+def test_ablation_names_read_without_torch_are_the_variants():
+    from cs336_systems.flash_ablation import ABLATION_VARIANTS
+
+    assert list(impls.ablation_variants()) == list(ABLATION_VARIANTS)
+
+
+def test_unknown_names_are_refused_before_torch_with_a_suggestion():
+    """Each option taking an implementation name: a usage error naming the closest name and where the list
+    is, before torch is imported (it takes seconds), not a dump of every name."""
+    code = """if True:
+        import sys
+        from cs336_systems.bench import cli
+        for argv in (["flash", "--impls", "flash_trition"], ["overhead", "--impls", "sdpa_cudn"],
+                     ["model", "--attention", "flash_triton_compild"], ["leaderboard", "--variant", "causal_skp"]):
+            try:
+                cli.main([*argv, "--smoke"])
+            except SystemExit as e:
+                print(e.code, "torch" in sys.modules)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[:4] == ["2 False"] * 4
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    suggested = ["flash_triton", "sdpa_cudnn", "flash_triton_compiled", "causal_skip"]
+    assert [f"did you mean {name!r}?" in line for line, name in zip(errors, suggested)] == [True] * 4
+    assert all(f"(every name: {impls.LISTING})" in line and len(line) < 250 for line in errors[:3])
+    listing = subprocess.run([sys.executable, "-m", "cs336_systems.bench.impls"], capture_output=True, text=True,
+                             check=True)
+    assert listing.stdout.split() == impls.names()
+
+
+def test_the_flash_alias_is_our_kernel_in_every_subcommand():
+    shipped = impls.ablation_variants()[-1]
+    for argv, dest, expected in ((["flash", "--impls", "flash"], "impls", [impls.SHIPPED]),
+                                 (["overhead", "--impls", "flash"], "impls", [impls.SHIPPED]),
+                                 (["model", "--attention", "flash"], "attention", [impls.SHIPPED]),
+                                 (["leaderboard", "--variant", "flash"], "variant", [shipped]),
+                                 (["leaderboard", "--variant", "flash_triton"], "variant", [shipped])):
+        assert getattr(cli.build_parser().parse_args(argv), dest) == expected, argv
 
 
 def test_unknown_and_unsupported():

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from cs336_systems.bench import cli
 from cs336_systems.bench.record import KEY_FIELDS, Recorder, key_of, read_rows
 
 from .helpers import rows_of, run_cli
@@ -64,6 +66,21 @@ def test_non_object_lines_are_skipped_by_resume(tmp_path, capsys):
     assert capsys.readouterr().err.count("not a JSON object") == 4
 
 
+def test_a_non_utf8_byte_costs_its_line_only(tmp_path, capsys):
+    """One stray byte (a bad editor save, a disk error) skips that line with a warning, in resume and report."""
+    rows = [{"problem": "attention", **FIELDS, "seq_len": seq, "gpu": "cpu", "status": "ok", "ms": 1.0}
+            for seq in (8, 16, 32)]
+    lines = [json.dumps(r).encode() for r in rows]
+    lines[1] = lines[1].replace(b'"ok"', b'"o\xffk"')
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    rec = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
+    assert [rec.is_done({**FIELDS, "seq_len": seq}) for seq in (8, 16, 32)] == [True, False, True]
+    assert "metrics.jsonl:2: skipping a line" in capsys.readouterr().err
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "attention"]) == 0
+    assert "metrics.jsonl:2: skipping a line" in capsys.readouterr().err
+
+
 def test_identity_includes_device_smoke_and_timing_settings(tmp_path):
     """Issue 11 (2): a CPU or --smoke row never marks a GPU measurement done, nor one with other settings."""
     gpu_row = {"problem": "flash", **FIELDS, "gpu": "NVIDIA H200", "rep_ms": 100, "warmup_ms": 25, "status": "ok"}
@@ -98,6 +115,44 @@ def test_resume_skips_done_rows(tmp_path):
     # Other timing settings are other measurements.
     assert run_cli(*args, "--iters", "3", "--resume") == 0
     assert len(rows_of(tmp_path, "attention")) == len(kept) + 3 + 4
+
+
+def test_resume_redoes_rows_the_report_rejects(tmp_path, capsys):
+    """A row the report skips would leave its cell empty forever if --resume counted it as done."""
+    args = ("attention", "--smoke", "--seq", "16", "--out", str(tmp_path))
+    assert run_cli(*args) == 0
+    first = rows_of(tmp_path, "attention")
+    broken = [{**first[0], "ms": "fast"}, {**first[1], "ms": 0.0}]
+    (tmp_path / "attention" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in broken))
+    assert run_cli(*args, "--resume") == 0
+    assert "skipping a row" in capsys.readouterr().err
+    redone = rows_of(tmp_path, "attention")[len(broken):]
+    assert sorted(r["mode"] for r in redone) == sorted(r["mode"] for r in broken)
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in redone)
+
+
+def test_a_second_run_into_the_same_file_waits_then_resumes(tmp_path, capsys):
+    """Two --resume runs to one --out: the second waits for the first's lock, then skips what it recorded."""
+    first = Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)
+    second: list[Recorder] = []
+    waiting = threading.Thread(target=lambda: second.append(
+        Recorder(tmp_path, "attention", torch.device("cpu"), resume=True)), daemon=True)
+    waiting.start()
+    waiting.join(timeout=2)
+    assert waiting.is_alive(), "the second run must wait for the first"
+    first.measure(FIELDS, lambda: {"ms": 1.0})
+    first.close()
+    waiting.join(timeout=10)
+    assert second and second[0].is_done(FIELDS)
+    second[0].close()
+    assert "waiting for another run writing" in capsys.readouterr().err
+
+
+def test_resume_does_not_repeat_unsupported_rows(tmp_path):
+    (tmp_path / "attention").mkdir()
+    unsupported = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "unsupported", "error": "no kernel"}
+    (tmp_path / "attention" / "metrics.jsonl").write_text(json.dumps(unsupported) + "\n")
+    assert Recorder(tmp_path, "attention", torch.device("cpu"), resume=True).is_done(FIELDS)
 
 
 def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from cs336_systems.bench import cli
 
 from .helpers import rows_of, run_cli, timed, write_rows
@@ -23,6 +27,12 @@ def flash_rows() -> list[dict]:
                         else:
                             rows.append({**shape, **timed(seq / 1000 * (3 if impl == "naive" else 1))})
     return rows
+
+
+def overhead_row(ms: float) -> dict:
+    """One overhead row: 130 µs of host time per call of `ms` on the GPU."""
+    return dict(impl="flash_triton", mode="fwd", dtype="bf16", batch=1, n_heads=16, seq_len=1024, d_head=64,
+                is_causal=True, host_us=130.0, wall_ms=0.2, **timed(ms))
 
 
 def test_report_renders_gpu_shaped_rows(tmp_path):
@@ -90,9 +100,7 @@ def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
         f.write('{"problem": "flash", "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8, '
                 '"d_head": 4, "is_causal": true, "status": "ok"}\n')
     write_rows(tmp_path, "model", [{"impl": "naive", "status": "ok"}])  # nothing renderable
-    write_rows(tmp_path, "overhead", [dict(impl="flash_triton", mode="fwd", dtype="bf16", batch=1, n_heads=16,
-                                           seq_len=1024, d_head=64, is_causal=True, host_us=130.0, wall_ms=0.2,
-                                           **timed(0.05))])
+    write_rows(tmp_path, "overhead", [overhead_row(0.05)])
     assert cli.main(["report", "--out", str(tmp_path)]) == 0  # model has no valid row: warned, not fatal
     err = capsys.readouterr().err
     assert err.count("skipping") >= 6 and "'ms' is 'fast'" in err and "missing 'ms'" in err
@@ -102,11 +110,53 @@ def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "model"]) == 1  # asked for, nothing there
 
 
+def test_report_skips_rows_whose_times_are_not_positive_and_finite(tmp_path, capsys):
+    """ms 0, negative, inf or NaN (a clock that went wrong, a hand edit) is skipped with a warning, not divided by."""
+    good = flash_rows()[:9]
+    bad = [{**good[3], **timed(ms)} for ms in (0.0, -1.0, float("inf"), float("nan"))]
+    write_rows(tmp_path, "flash", good + bad)
+    write_rows(tmp_path, "overhead", [overhead_row(0.05), {**overhead_row(0.0), "run_id": "r2"}])
+    for problem in ("flash", "overhead"):
+        (tmp_path / problem / "table.md").write_text("stale\n")
+    assert cli.main(["report", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("not a positive finite time") == 4 and "'ms' is inf" in err and "skipped 4 rows in all" in err
+    assert "| 64 | 1024 |" in (tmp_path / "flash" / "table.md").read_text()
+    assert "| ours | 130.0 | 50.000 | 200.0 | 2.60 |" in (tmp_path / "overhead" / "table.md").read_text()
+
+
 def test_report_asked_for_a_missing_problem_fails(tmp_path, capsys):
     write_rows(tmp_path, "flash", flash_rows()[:3])
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "nosuch"]) == 1
     assert "nosuch" in capsys.readouterr().err
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
+
+
+def test_report_out_that_is_no_folder_is_an_error(tmp_path, capsys):
+    assert cli.main(["report", "--out", str(tmp_path / "no" / "such")]) == 2
+    assert cli.main(["report", "--out", str(tmp_path)]) == 1  # a folder without any metrics.jsonl
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"report: --out {tmp_path / 'no' / 'such'}: no such folder",
+                   f"report: no <problem>/metrics.jsonl under {tmp_path}"]
+
+
+@pytest.mark.parametrize("cause", ["read-only folder", "table.md is a folder"])
+def test_report_that_cannot_write_is_a_one_line_error(cause, tmp_path, capsys):
+    write_rows(tmp_path, "flash", flash_rows()[:9])
+    write_rows(tmp_path, "overhead", [overhead_row(0.05)])
+    if cause == "read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        (tmp_path / "flash").chmod(0o555)
+    else:
+        (tmp_path / "flash" / "table.md").mkdir()
+    try:
+        assert cli.main(["report", "--out", str(tmp_path)]) == 2
+    finally:
+        (tmp_path / "flash").chmod(0o755)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"report: cannot write under {tmp_path / 'flash'}: ")
+    assert (tmp_path / "overhead" / "table.md").exists()  # the other problems still render
 
 
 def test_smoke_rows_never_replace_gpu_cells(tmp_path):
