@@ -1,8 +1,10 @@
 """FlashAttention-2 tests: the course's four, then an extension against a float64 reference.
 
 Without a GPU the Triton tests run through Triton's interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1), so they are executed, never skipped. Every test name starts with
-`test_flash`, so `uv run pytest -k test_flash` selects them all.
+TRITON_INTERPRET=1), so they are executed, never skipped. `uv run pytest -k test_flash` (the course's
+command) selects the course's tests and the core cases (`test_flash_*`: one shape per dtype, causal and
+not, bad input, GQA, the op's contracts), a couple of minutes on two CPU cores; the deeper matrix (more
+shapes, split passes, the inlined kernels, host plans, designs: `test_attention_*`) runs in the full suite.
 """
 
 from __future__ import annotations
@@ -106,10 +108,20 @@ CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 
 @pytest.mark.parametrize("impl", ["pytorch", "triton"])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES[:1])
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("dtype,rule", DTYPE_CASES)
 def test_flash_matches_float64(impl, shape, is_causal, dtype, rule):
+    q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
+    ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, rule)
+
+
+@pytest.mark.parametrize("impl", ["pytorch", "triton"])
+@pytest.mark.parametrize("shape", SHAPES[1:])
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("dtype,rule", DTYPE_CASES)
+def test_attention_matrix_matches_float64(impl, shape, is_causal, dtype, rule):
     q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
     ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
     check_against_float64(ours, q, k, v, do, is_causal, rule)
@@ -172,7 +184,7 @@ def test_flash_triton_backward_is_deterministic(is_causal):
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("shape", SHAPES[:2])
 @pytest.mark.parametrize("dtype,rule", DTYPE_CASES[:2])
-def test_flash_atomic_backward_matches_float64(shape, is_causal, dtype, rule):
+def test_attention_atomic_backward_matches_float64(shape, is_causal, dtype, rule):
     """deterministic=False: the single-pass backward that adds dQ with fp32 atomics."""
     from cs336_systems.flash_triton import flash_attention
 
@@ -192,7 +204,7 @@ def test_flash_functional_api_any_leading_dims(leading):
     check_against_float64(ours, q, k, v, do, True, FP32_RULE)
 
 
-def test_flash_ablation_variants_compute_the_same_function():
+def test_attention_ablation_variants_compute_the_same_function():
     from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
     q, k, v, do = make_inputs((1, 70, 70, 32), torch.float32, DEVICE, seed=5)
@@ -392,7 +404,7 @@ def test_flash_gqa_matches_sdpa_float64(is_causal, deterministic):
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("fused_prep", [True, False], ids=["delta-in-dq-pass", "pre-pass-kernel"])
-def test_flash_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fused_prep):
+def test_attention_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fused_prep):
     """delta computed by the dQ pass (and the expanded dO copied by it for the TMA loads of the dK/dV
     pass) or by the pre-pass kernel: both match float64 with GQA and dO from o.sum()."""
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
@@ -412,7 +424,7 @@ def test_flash_backward_delta_designs_with_gqa_and_expanded_grad(is_causal, fuse
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("tma", [False, True], ids=["block-pointers", "tma"])
 @pytest.mark.parametrize("do_layout", ["contiguous", "expanded"])
-def test_flash_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_layout):
+def test_attention_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_layout):
     """The op bodies Inductor traces on a GPU (`forward_inlined`, `backward_inlined`: the flat entry kernels, each
     stride its own argument) compute the same function, here through the interpreter: GQA, ragged Nq != Nk, dO
     contiguous or o.sum()'s expand (copied by the dQ pass where the passes load through TMA)."""
@@ -437,7 +449,7 @@ def test_flash_inlined_kernels_match_float64(monkeypatch, is_causal, tma, do_lay
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("tma", [None, True], ids=["default", "tma-forced"])
-def test_flash_split_passes_match_float64(is_causal, tma):
+def test_attention_split_passes_match_float64(is_causal, tma):
     """Short grids split each pass's reduction into chunks (forced here: 128 rows, so 3 chunks), merged
     by the combine and sum kernels: the same function as unsplit (GQA, ragged Nq != Nk; with TMA forced
     the dO of o.sum(), which the dQ pass's chunk 0 copies), and a bitwise-repeatable backward."""
@@ -463,7 +475,7 @@ def test_flash_split_passes_match_float64(is_causal, tma):
         assert torch.equal(x, y), f"{name} differs between two runs of the split backward"
 
 
-def test_flash_op_backward_splits_into_unshared_outputs(monkeypatch, fresh_plans):
+def test_attention_op_backward_splits_into_unshared_outputs(monkeypatch, fresh_plans):
     """The backward op (what torch.compile runs) where its passes split, as short grids do on the GPU (forced
     here): the op's outputs must not share storage (torch.library checks it on every call; dK and dV were once
     one allocation there) and must match float64."""
@@ -527,7 +539,7 @@ PLAN_PAIRS = {  # a call, then one that differs from it in one thing that flash_
 
 
 @pytest.mark.parametrize("change", list(PLAN_PAIRS))
-def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans, change):
+def test_attention_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans, change):
     """flash_triton decides once per signature (a host plan) what it launches. A call right after one that differs
     from it in one thing those decisions read must still match float64, launch just what it launches with no plan
     made before it (each planned launch recorded: kernel, grid, arguments other than tensors, constexprs), and
@@ -566,7 +578,7 @@ def test_flash_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_plans,
     assert after_another == launches
 
 
-def test_flash_host_plans_take_the_scale_per_call(fresh_plans):
+def test_attention_host_plans_take_the_scale_per_call(fresh_plans):
     """The scale is a kernel argument, in no plan's key: calls of varying scales share one plan per pass (a plan
     per scale would grow without bound under a schedule), and each gets its own scale."""
     import cs336_systems.flash.launch as launch
@@ -682,7 +694,7 @@ def test_flash_double_backward_raises_clearly(impl):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU interpreter switch")
-def test_flash_reads_triton_interpret_as_triton_does():
+def test_attention_reads_triton_interpret_as_triton_does():
     """TRITON_INTERPRET=true (which Triton accepts) runs the kernels on the CPU, as =1 does."""
     import os
     import subprocess
@@ -727,7 +739,7 @@ for use_tma in (True, False):
 """
 
 
-def test_flash_flat_kernels_write_only_their_outputs():
+def test_attention_flat_kernels_write_only_their_outputs():
     """Inductor's mutation analysis of the flat entry kernels (the TTIR torch.compile reads on a GPU, built here for
     sm_90 without one) finds each writing its outputs only: an input counted as written is cloned before every
     launch, and aliased inputs (the harness's q, k, v, views of one tensor) then crashed the compiled harness."""
@@ -802,7 +814,7 @@ def test_flash_dynamic_compile_serves_several_lengths():
     assert compiles.frame_count == 1, f"{compiles.frame_count} compiled frames for three lengths"
 
 
-def test_flash_head_dim_256():
+def test_attention_head_dim_256():
     q, k, v, do = make_inputs((1, 40, 40, 256), torch.float32, DEVICE, seed=13)
     ours = run(IMPLS["triton"]().apply, q, k, v, do, True)
     check_against_float64(ours, q, k, v, do, True, FP32_RULE)

@@ -9,6 +9,7 @@ so calls pass their tensors as they are, except inputs of more than four dims, w
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,16 @@ class _Launcher:
             entry.c_launch(key[0], *args, *entry.tail)
         return entry
 
+    def warm(self, args: tuple, constexprs: dict) -> None:
+        """Compile (and load) the kernel these arguments launch, without launching it: Triton's JIT cache then
+        holds it for the first real launch. Only a kernel given its config: an autotuner must time to choose."""
+        if self.tuned or INTERPRET:
+            return
+        kernel = self.kernel.warmup(*args, grid=None, **constexprs)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        kernel._init_handles()  # the module load and the C launcher's build, otherwise paid at the first launch
+
     def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
@@ -167,12 +178,13 @@ def tile_config(kernel: str, opts: KernelOptions, q: torch.Tensor, d_tile: int, 
                               causal=causal, n_q=n_q, n_k=n_k)
 
 
-def tiled_launch(kernel: str, config: TileConfig | None, n_q: int, n_k: int, d: int, d_tile: int) -> tuple:
+def tiled_launch(kernel: str, config: TileConfig | None, n_q: int, n_k: int, d: int, d_tile: int,
+                 tma: bool) -> tuple:
     """(launcher, the constexprs the config sets) of a tiled kernel."""
     configured, tuned = _TILED[kernel]
     if config is None:
         return tuned, {}
-    return configured, {**config.constexprs(), **tuning.even_flags(config, n_q, n_k, d, d_tile)}
+    return configured, {**config.constexprs(), **tuning.even_flags(config, n_q, n_k, d, d_tile, tma)}
 
 
 def split_buffers(chunk: int, n_reduce: int, batch: int, heads: int, n_rows: int, d_tile: int, device,
@@ -266,8 +278,12 @@ class _PlannedLaunch:
         return None if compiled is None or compiled.c_launch is None else compiled.c_launch.scratch_size
 
     def __call__(self, buffer: torch.Tensor | None, *tensors: torch.Tensor, scale: float | None = None) -> None:
-        """Launch on this call's tensors; `buffer`: the call's shared scratch (`_SharedScratch`) or None."""
+        """Launch on this call's tensors; `buffer`: the call's shared scratch (`_SharedScratch`) or None, or a list
+        that collects the launch instead (`prewarm_backward`)."""
         args = self.arguments(tensors, scale)
+        if buffer.__class__ is list:
+            buffer.append((self.launcher, args, self.constexprs))
+            return
         compiled = self.compiled
         if compiled is None or compiled.c_launch is None:
             self.compiled = self.launcher(self.grid, args, **self.constexprs)
@@ -374,7 +390,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         split_lse_shape = (chunks, batch * heads, n_q)
     use_tma = _tma_wanted(opts, q) and tma_ok(q4, k4, v4, out)
     launcher, config = tiled_launch("fwd", tile_config("fwd", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
-                                    d_tile)
+                                    d_tile, use_tma)
     fwd = _PlannedLaunch(
         launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
         (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k), (chunk,),
@@ -409,6 +425,8 @@ def flash_forward_triton(
             return flash_forward_triton(q, k, v, is_causal, opts, scale)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            prewarm_backward(q, k, v, is_causal, opts, key)
         plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1])
     scale = plan.default_scale if scale is None else float(scale)
     o = empty_like(q)
@@ -533,7 +551,7 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                               dict(D=d, D_TILE=d_tile, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=atomic), device)
     if not atomic:  # the dQ pass; fused, it writes delta (and the dO copy) that the dK/dV pass reads
         launcher, config = tiled_launch("dq", tile_config("dq", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
-                                        d_tile)
+                                        d_tile, use_tma)
         dq_pass = _PlannedLaunch(
             launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
             (q4.stride(), k4.stride(), v4.stride(), do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(),
@@ -546,7 +564,7 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                     dict(cached=not launch_hooks_installed(), qrows=opts.single_qrows if gluon_single else opts.kv_qrows))
     else:
         launcher, config = tiled_launch("kv", tile_config("kv", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
-                                        d_tile)
+                                        d_tile, use_tma)
         kv = _PlannedLaunch(
             launcher, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
             (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes),
@@ -565,14 +583,20 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
+    warm: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides)."""
+    """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides). warm: a list that
+    collects the Triton launches the call would make, launching none (`prewarm_backward`)."""
     key = plan_key((q, k, v, o, lse, do), is_causal, opts)
     if _off_current_device(q, key):
         with torch.cuda.device(q.device):
-            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale)
+            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, warm)
     plan = _BACKWARD_PLANS.get(key)
-    if plan is None:
+    if warm is not None:  # (a plan of its own: the first real call waits for the background compiles, then plans)
+        plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+    elif plan is None:
+        for future in _WARMING.pop(plan_key((q, k, v), is_causal, opts), ()):
+            future.result()  # the signature's background compiles: Triton's cache then holds their kernels
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
     scale = plan.default_scale if scale is None else float(scale)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
@@ -581,7 +605,7 @@ def flash_backward_triton(
     delta, dq_acc, do, do_tiles, dq_out, dk_out, dv_out = plan.buffers(dq, dk, dv, do)
     if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
         triton.set_allocator(scratch)
-    buffer = plan.scratch()
+    buffer = plan.scratch() if warm is None else warm
     if plan.prep:
         plan.prep(buffer, o, do, delta, dq_acc)
     if plan.dq:
@@ -590,6 +614,8 @@ def flash_backward_triton(
             plan.dq_sum(buffer, dq_out, dq)
     if plan.kv:
         plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
+    elif warm is not None:  # (the Gluon kernels compile at their first launch)
+        return dq, dk, dv
     else:
         config, keywords = plan.gluon_kv
         gluon.kv_pass(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do_tiles), lse, delta, as_bhsd(dk), as_bhsd(dv),
@@ -601,6 +627,36 @@ def flash_backward_triton(
     if plan.cast:
         plan.cast(buffer, dq_acc, dq, scale=scale)
     return dq, dk, dv
+
+
+_WARMING: dict[tuple, list[Future]] = {}  # per forward signature: its backward's background compiles
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def prewarm_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
+                     key: tuple) -> None:
+    """At the first forward of a signature that will need gradients, compile its backward kernels in background
+    threads while the forward compiles its own (Triton's compiler leaves the GIL for most of its work): for dO as
+    autograd hands it most often, contiguous, and as o.sum() hands it, an expand. The backward's first call waits
+    for them (`flash_backward_triton`) and finds them in Triton's cache; a dO of another layout compiles as
+    before."""
+    if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
+        return
+    launches: list = []
+    o = empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for do in (o, torch.zeros((1,) * q.ndim, device=q.device, dtype=q.dtype).expand(q.shape)):
+        flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, warm=launches)
+    unique = {(launcher.name, *constexprs.items()): (launcher, args, constexprs)
+              for launcher, args, constexprs in launches}
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))
+
+    def warm(launcher: _Launcher, args: tuple, constexprs: dict) -> None:
+        with torch.cuda.device(q.device):
+            launcher.warm(args, constexprs)
+
+    _WARMING[key] = [_POOL[0].submit(warm, *launch) for launch in unique.values()]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from cs336_systems.flash import chooser
 from cs336_systems.flash.c_launch import scratch
 from cs336_systems.flash.chooser import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from cs336_systems.flash.launch import (
-    INTERPRET, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like, tile_config,
-    tma_strides_ok, TilesGrid,
+    INTERPRET, TilesGrid, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like,
+    tile_config, tma_strides_ok,
 )
 from cs336_systems.flash.triton_kernels import flash_bwd_dq_flat_kernel, flash_bwd_kv_flat_kernel, \
     flash_fwd_flat_kernel
@@ -62,10 +62,10 @@ def _strides(*tensors: torch.Tensor) -> tuple:
     return tuple(s for t in tensors for s in t.stride())
 
 
-def _flat_config(kernel: str, q: torch.Tensor, d: int, is_causal: bool, n_q: int, n_k: int) -> dict:
+def _flat_config(kernel: str, q: torch.Tensor, d: int, is_causal: bool, n_q: int, n_k: int, tma: bool) -> dict:
     """The tuning table's config for a flat kernel, as launch keywords (tiles, flags, warps, stages)."""
     config = tile_config(kernel, DEFAULT_OPTIONS, q, padded_dim(d), is_causal, n_q, n_k)
-    return {**config.constexprs(), **even_flags(config, n_q, n_k, d, padded_dim(d))}
+    return {**config.constexprs(), **even_flags(config, n_q, n_k, d, padded_dim(d), tma)}
 
 
 def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tenso
     use_tma = chooser.tma_default(q.device.index or 0) and _tma_ok_traced(q4, k4, v4, o4)
     if use_tma:  # for launches outside Inductor's (an eager call, aot_eager); Inductor sets its own
         triton.set_allocator(scratch)
-    config = _flat_config("fwd", q, d, is_causal, n_q, n_k)
+    config = _flat_config("fwd", q, d, is_causal, n_q, n_k, use_tma)
     _flat(flash_fwd_flat_kernel)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
         q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, heads // kv_heads, n_q, n_k, scale,
         D=d, D_TILE=padded_dim(d), is_causal=is_causal, SKIP_MASKED_TILES=True, USE_TMA=use_tma,
@@ -107,10 +107,10 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
                   PRECISION=chooser.precision(q.dtype), DP_FIRST=True)
     _flat(flash_bwd_dq_flat_kernel)[TilesGrid(batch * heads, n_q, "Q_TILE_SIZE")](
         q4, k4, v4, do4, lse, delta, dq4, o4, do_tiles, *_strides(q4, k4, v4, do4, dq4, o4, do_tiles), *sizes,
-        **common, COPY_DO=copy_do, **_flat_config("dq", q, d, is_causal, n_q, n_k))
+        **common, COPY_DO=copy_do, **_flat_config("dq", q, d, is_causal, n_q, n_k, use_tma))
     _flat(flash_bwd_kv_flat_kernel)[TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE")](
         q4, k4, v4, do_tiles, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do_tiles, dk4, dv4), *sizes, **common,
-        **_flat_config("kv", q, d, is_causal, n_q, n_k))
+        **_flat_config("kv", q, d, is_causal, n_q, n_k, use_tma))
     return dq, dk, dv
 
 
