@@ -12,7 +12,6 @@ One program per (batch·head, tile):
                               merge the chunks of a pass split along its reduction (short grids);
   `flash_*_flat_kernel`       entry points Inductor launches itself (strides as separate integers).
 
-Sequence lengths are not specialized on (`do_not_specialize`): a new length reuses the compiled kernels.
 The inner loops run first over the tiles that need no mask, then over the tiles on the causal
 diagonal (and a ragged last tile) with MASKED=True. Causal grids run the longest tiles first.
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2) and converted back for L, which is in
@@ -309,7 +308,7 @@ def _query_tile_sources(
     return _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA), k_src, v_src
 
 
-@triton.jit(do_not_specialize=["N_QUERIES", "N_KEYS"])
+@triton.jit
 def flash_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
     stride_q, stride_k, stride_v, stride_o,  # (batch, head, seq, d) strides of each tensor
@@ -418,7 +417,7 @@ def flash_split_sum_kernel(
     tl.store(out, acc.to(Out_ptr.dtype.element_ty), mask=cols)
 
 
-@triton.jit(do_not_specialize=["N_QUERIES"])
+@triton.jit
 def flash_bwd_prep_kernel(
     O_ptr, dO_ptr, Delta_ptr, dQacc_ptr,
     stride_o, stride_do,  # (batch, head, seq, d) strides of each tensor
@@ -439,7 +438,7 @@ def flash_bwd_prep_kernel(
         tl.store(acc_ptrs, tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32), mask=rows)
 
 
-@triton.jit(do_not_specialize=["N_QUERIES", "N_KEYS"])
+@triton.jit
 def flash_bwd_kv_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, head, seq, d) strides of each tensor
@@ -502,7 +501,7 @@ def flash_bwd_kv_kernel(
     _store_tile(dv_dst, k_start, dv, CHECK_K, CHECK_D, USE_TMA)
 
 
-@triton.jit(do_not_specialize=["N_QUERIES", "N_KEYS"])
+@triton.jit
 def flash_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dq, stride_o, stride_docopy,  # (batch, head, seq, d)
@@ -559,7 +558,7 @@ def flash_bwd_dq_kernel(
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
 
-@triton.jit(do_not_specialize=["N_QUERIES"])
+@triton.jit
 def flash_bwd_dq_cast_kernel(
     dQacc_ptr, dQ_ptr, stride_dq,
     N_HEADS, N_QUERIES, scale,
