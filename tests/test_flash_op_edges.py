@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cs336_systems.flash.launch as launch
-from cs336_systems.flash_triton import flash_attention
+from cs336_systems.flash_triton import flash_attention, flash_attn_bwd, flash_attn_fwd
 
 from .helpers import run
+
+
+@pytest.fixture(params=["interpreter", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """Each way the op runs CPU tensors."""
+    if request.param == "interpreter" and not launch.INTERPRET:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET is set only without a GPU)")
+    if request.param == "pytorch":
+        monkeypatch.setattr(launch, "INTERPRET", False)
+    return request.param
 
 
 @pytest.fixture
@@ -26,6 +37,73 @@ def _inputs(seed: int) -> list[torch.Tensor]:
     """q, k, v, dO of (batch 1, 2 heads, 24 positions, d 16)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, 2, 24, 16, generator=gen) for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strided inputs: fake and real kernels agree; torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _strided_qkv(batch=2, seq=24, heads=2, d=16, seed=6):
+    """q, k, v as a fused projection gives them: (batch, heads, seq, d) views of one (batch, seq, 3·heads·d)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, seq, 3 * heads * d, generator=gen)
+    return [t.transpose(1, 2) for t in qkv.view(batch, seq, 3, heads, d).unbind(2)]
+
+
+def _layouts(outputs) -> list[tuple]:
+    return [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+
+
+def _fake_layouts(op, args) -> list[tuple]:
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return _layouts(op(*fake))
+
+
+def test_flash_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
+    """Strided inputs: every op's real outputs have the shapes, strides and dtypes its fake kernel promises
+    (torch.compile's Inductor asserts them), and opcheck passes on them."""
+    from cs336_systems.flash.ops import flash_attn_bwd_launch, flash_attn_fwd_launch
+
+    q, k, v = _strided_qkv()
+    assert not q.is_contiguous()
+    fwd_args = (q, k, v, True, 0.25)
+    o, lse = flash_attn_fwd(*fwd_args)
+    do = torch.randn_like(o).transpose(-1, -2).contiguous().transpose(-1, -2)  # strided too
+    bwd_args = (do, q, k, v, o, lse, True, 0.25, True)
+    for op, args in ((flash_attn_fwd, fwd_args), (flash_attn_fwd_launch, fwd_args), (flash_attn_bwd, bwd_args),
+                     (flash_attn_bwd_launch, bwd_args)):
+        assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
+    torch.library.opcheck(flash_attn_fwd, fwd_args)
+    torch.library.opcheck(flash_attn_bwd, bwd_args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_flash_compiles_with_strided_inputs(pytorch_path):
+    """torch.compile over a fused projection's strided q, k, v: Inductor (which checks the op's output strides
+    against its fake kernel's) and aot_eager, forward and backward, equal to eager."""
+    q, k, v = _strided_qkv(seed=7)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        inductor = torch.compile(flash_attention, backend="inductor", fullgraph=True)(q, k, v, True)
+    assert torch.equal(inductor, flash_attention(q, k, v, True))
+
+    def attend(qkv):
+        b, s = qkv.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, 2, 16).unbind(2))
+        return flash_attention(q, k, v, True)
+
+    qkv = torch.randn(2, 24, 96, generator=torch.Generator().manual_seed(8))
+    do = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(9))
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
+        x = qkv.clone().requires_grad_()
+        o = fn(x)
+        o.backward(do)
+        results.append((o.detach(), x.grad))
+    for name, a, b in zip(("O", "dqkv"), *results):
+        assert torch.equal(a, b), f"{name}: compiled differs from eager"
 
 
 # ---------------------------------------------------------------------------------------------------------------
