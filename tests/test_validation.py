@@ -62,7 +62,8 @@ def test_gqa_with_zero_kv_heads_is_a_value_error():
 @pytest.mark.parametrize("kv_heads,hint", [(2, "enable_gqa=True allows this"), (3, "enable_gqa=True would need")])
 def test_head_counts_differing_without_gqa_are_named(kv_heads, hint):
     """Not "batch dimensions differ": the head counts, and whether enable_gqa=True would take them."""
-    with pytest.raises(ValueError, match=f"^head counts of q and k, v differ: q has 4, k and v have {kv_heads}; {hint}"):
+    message = f"^head counts of q and k, v differ: q has 4, k and v have {kv_heads}; {hint}"
+    with pytest.raises(ValueError, match=message):
         check_attention_inputs(_t(2, 4, 8, 16), _t(2, kv_heads, 8, 16), _t(2, kv_heads, 8, 16), False)
 
 
