@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cs336_systems.flash.launch as launch
-from cs336_systems.flash_triton import flash_attention, flash_attn_bwd, flash_attn_fwd
+from cs336_systems.flash_triton import FlashAttention2Triton, flash_attention, flash_attn_bwd, flash_attn_fwd
 
 from .helpers import run
 
@@ -125,3 +125,66 @@ def test_flash_fullgraph_compile_with_a_changing_scale(pytorch_path):
             assert torch.equal(x, y), f"{name} at scale {scale}: compiled differs from eager"
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Empty inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,gqa", [
+    ((1, 0, 8, 16), (1, 0, 8, 16), False),   # no heads
+    ((0, 2, 8, 16), (0, 2, 8, 16), False),   # no batch
+    ((1, 0, 8, 16), (1, 2, 8, 16), True),    # no query heads: K and V get zero gradients
+    ((2, 0, 8, 16), (2, 0, 8, 16), False),
+], ids=["no-heads", "no-batch", "gqa-no-q-heads", "no-heads-batch-2"])
+@pytest.mark.parametrize("entry", ["function", "flash_attention"])
+def test_flash_empty_batch_or_heads_give_empty_outputs(cpu_path, q_shape, kv_shape, gqa, entry):
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
+    if entry == "function":
+        o = FlashAttention2Triton.apply(q, k, v, True, None, gqa)
+    else:
+        o = flash_attention(q, k, v, True, enable_gqa=gqa)
+    assert o.shape == q_shape and o.dtype == q.dtype
+    o.sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad.shape == t.shape and not t.grad.any(), f"d{name}: {t.grad}"
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(0, 8), (8, 0)])
+def test_flash_empty_sequences_are_value_errors(q_len, kv_len):
+    q, k = torch.randn(1, 2, q_len, 16), torch.randn(1, 2, kv_len, 16)
+    with pytest.raises(ValueError, match="sequence lengths must be at least 1"):
+        flash_attention(q, k, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Meta tensors and torch.func transforms
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flash_meta_tensors_give_outputs_of_the_right_shapes():
+    """Meta tensors (shape inference; the kernels under the interpreter would copy them out): outputs and
+    gradients of the right shapes on the meta device, for the function and for the ops."""
+    q = torch.randn(2, 4, 24, 16, device="meta", requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 16, device="meta", requires_grad=True) for _ in range(2))
+    o = flash_attention(q, k, v, True, enable_gqa=True)
+    assert o.shape == q.shape and o.device.type == "meta"
+    o.sum().backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    assert (o.shape, lse.shape, lse.dtype, o.device.type) == (q.shape, q.shape[:-1], torch.float32, "meta")
+    grads = flash_attn_bwd(o, q, k, v, o, lse, True, 0.25, None)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
+def test_flash_refuses_torch_func_transforms_by_name(transform):
+    q = torch.randn(2, 2, 8, 16)
+    calls = {
+        "vmap": lambda: torch.func.vmap(lambda x: flash_attention(x, x, x))(q),
+        "grad": lambda: torch.func.grad(lambda x: flash_attention(x, x, x).sum())(q),
+        "jvp": lambda: torch.func.jvp(lambda x: flash_attention(x, x, x), (q,), (q,)),
+    }
+    with pytest.raises(RuntimeError, match=r"does not support torch.func transforms \(vmap, grad, jvp"):
+        calls[transform]()
