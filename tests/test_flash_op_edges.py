@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cs336_systems.flash.launch as launch
@@ -37,6 +38,78 @@ def _inputs(seed: int) -> list[torch.Tensor]:
     """q, k, v, dO of (batch 1, 2 heads, 24 positions, d 16)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, 2, 24, 16, generator=gen) for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autocast
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_follows_autocast_as_sdpa_does(cpu_path, dtype):
+    """Under autocast q, k, v are cast to its dtype, as SDPA's are: the output is in that dtype and is what the op
+    computes from the cast inputs; fp32 inputs get fp32 gradients, those of the cast run."""
+    q, k, v, do = _inputs(seed=1)
+    with torch.autocast("cpu", dtype=dtype):
+        ours = run(flash_attention, q, k, v, do.to(dtype), True)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert ours[0].dtype == sdpa.dtype == dtype
+    cast = run(flash_attention, *(t.to(dtype) for t in (q, k, v, do)), True)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, cast):
+        assert x.dtype == (dtype if name == "O" else torch.float32), f"{name} in {x.dtype}"
+        assert torch.equal(x, y.to(x.dtype)), f"{name} differs from the op on inputs cast to {dtype}"
+
+
+def test_flash_backward_under_autocast_computes_as_outside_it(cpu_path):
+    """A backward run inside the autocast region (allowed, if not advised) gives the gradients of one run outside:
+    the recomputing backward's fp32 math is not lowered by autocast."""
+    q, k, v, do = _inputs(seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = run(flash_attention, q, k, v, do.bfloat16(), True)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flash_attention(q, k, v, True)
+    o.backward(do.bfloat16())
+    for name, x, y in zip(("dQ", "dK", "dV"), inside[1:], (q.grad, k.grad, v.grad)):
+        assert torch.equal(x, y), f"{name} differs when the backward runs under autocast"
+
+
+def test_flash_ops_follow_autocast(cpu_path):
+    """The ops called directly: the forward casts q, k, v to the autocast dtype; neither lets autocast lower the
+    computation inside."""
+    q, k, v, do = _inputs(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    bf = [t.bfloat16() for t in (q, k, v, do)]
+    o_ref, lse_ref = flash_attn_fwd(*bf[:3], True, 0.25)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads = flash_attn_bwd(bf[3], *bf[:3], o, lse, True, 0.25, True)
+    for name, x, y in zip(("dQ", "dK", "dV"), grads, flash_attn_bwd(bf[3], *bf[:3], o, lse, True, 0.25, True)):
+        assert torch.equal(x, y), f"{name} differs under autocast"
+
+
+def test_flash_compiled_follows_autocast(pytorch_path):
+    """torch.compile traces the autocast cast: a compiled call under autocast returns what the eager one does."""
+    q, k, v, do = _inputs(seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attention, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = run(flash_attention, q, k, v, do.bfloat16(), True)
+        traced = run(compiled, q, k, v, do.bfloat16(), True)
+    assert traced[0].dtype == torch.bfloat16
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, traced):
+        assert torch.equal(x, y), f"{name}: compiled differs from eager under autocast"
+
+
+@pytest.mark.gpu
+def test_flash_follows_cuda_autocast():
+    q, k, v, _ = (t.cuda() for t in _inputs(seed=5))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        o = flash_attention(q, k, v, True)
+        assert o.dtype == F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.bfloat16
+    assert torch.equal(o, flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
