@@ -38,7 +38,7 @@ def flash_forward_tiled(
     n_q, d = Q.shape[-2], Q.shape[-1]
     n_k = K.shape[-2]
     scale = d ** -0.5 if scale is None else scale
-    O = torch.empty_like(Q)
+    O = torch.empty(Q.shape, device=Q.device, dtype=Q.dtype)  # contiguous whatever Q's strides, as the op promises
     L = torch.empty(Q.shape[:-1], device=Q.device, dtype=torch.float32)
     for q_start in range(0, n_q, q_tile):
         q = Q[..., q_start:q_start + q_tile, :].float()                 # (..., Bq, D)

@@ -28,7 +28,7 @@ def check_scale(scale: object, d: int) -> float:
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
+    if not 0 < scale < math.inf:  # comparisons, not math.isfinite: torch.compile traces them on a symbolic float
         raise ValueError(f"scale must be positive and finite, got {scale}")
     return scale
 
@@ -82,6 +82,8 @@ def _check_one_by_one(q: object, k: object, v: object, is_causal: object, enable
     lead = -3 if enable_gqa else -2
     if enable_gqa and q.ndim < 3:
         raise ValueError(f"enable_gqa needs (..., heads, seq, d) inputs, got {q.ndim} dimensions")
+    if not enable_gqa and q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] and q.shape[-3] != k.shape[-3]:
+        raise ValueError(_heads_differ(q.shape, k.shape))
     if q.shape[:lead] != k.shape[:lead]:
         raise ValueError(
             f"batch dimensions of q and k, v differ: {tuple(q.shape[:lead])} vs {tuple(k.shape[:lead])}")
@@ -94,6 +96,16 @@ def _check_one_by_one(q: object, k: object, v: object, is_causal: object, enable
             f"Nk={k.shape[-2]}, d={q.shape[-1]}"
         )
     return is_causal
+
+
+def _heads_differ(q_shape: torch.Size, k_shape: torch.Size) -> str:
+    """The message for q and k, v differing only in dim -3 (heads, or the batch of (batch, seq, d) inputs)."""
+    hq, hk = q_shape[-3], k_shape[-3]
+    what = "head counts (or, for (batch, seq, d) inputs, batch sizes)" if len(q_shape) == 3 else "head counts"
+    hint = ("enable_gqa=True allows this (grouped-query attention: each k, v head serves "
+            f"{hq // hk} q heads)" if hk and hq % hk == 0 else
+            f"enable_gqa=True would need k, v's {hk} heads to divide q's {hq}")
+    return f"{what} of q and k, v differ: q has {hq}, k and v have {hk}; {hint}"
 
 
 def refuse_double_backward(name: str) -> None:

@@ -17,6 +17,7 @@ CASES = [
     ((_t(2, 4, 8, 16, dtype=torch.bfloat16),) + (_t(2, 4, 9, 16, dtype=torch.bfloat16),) * 2 + (True, False), "bf16"),
     ((_t(2, 4, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16), False, True), "gqa"),
     ((_t(2, 4, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16), False, False), "heads differ without gqa"),
+    ((_t(2, 4, 8, 16), _t(2, 3, 8, 16), _t(2, 3, 8, 16), False, False), "heads not dividing without gqa"),
     ((_t(2, 4, 8, 16), _t(2, 3, 8, 16), _t(2, 3, 8, 16), False, True), "gqa heads not dividing"),
     ((_t(2, 4, 8, 16), _t(2, 0, 8, 16), _t(2, 0, 8, 16), False, True), "gqa zero kv heads"),
     ((_t(8, 16), _t(8, 16), _t(8, 16), False, True), "gqa without a head dim"),
@@ -56,3 +57,16 @@ def test_fast_condition_agrees_with_the_checks_one_by_one(args):
 def test_gqa_with_zero_kv_heads_is_a_value_error():
     with pytest.raises(ValueError, match="must divide"):
         check_attention_inputs(_t(2, 4, 8, 16), _t(2, 0, 8, 16), _t(2, 0, 8, 16), False, True)
+
+
+@pytest.mark.parametrize("kv_heads,hint", [(2, "enable_gqa=True allows this"), (3, "enable_gqa=True would need")])
+def test_head_counts_differing_without_gqa_are_named(kv_heads, hint):
+    """Not "batch dimensions differ": the head counts, and whether enable_gqa=True would take them."""
+    message = f"^head counts of q and k, v differ: q has 4, k and v have {kv_heads}; {hint}"
+    with pytest.raises(ValueError, match=message):
+        check_attention_inputs(_t(2, 4, 8, 16), _t(2, kv_heads, 8, 16), _t(2, kv_heads, 8, 16), False)
+
+
+def test_dim_minus_3_of_3d_inputs_is_named_as_heads_or_batch():
+    with pytest.raises(ValueError, match=r"head counts \(or, for \(batch, seq, d\) inputs, batch sizes\)"):
+        check_attention_inputs(_t(4, 8, 16), _t(2, 8, 16), _t(2, 8, 16), False)

@@ -121,9 +121,14 @@ def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_
     return attention_forward(q, k, v, is_causal, scale)
 
 
+def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) allocated, not computed."""
+    return empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 @flash_attn_fwd_launch.register_fake
 def _(q, k, v, is_causal, scale):
-    return empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _empty_outputs(q)
 
 
 @torch.library.custom_op("cs336::flash_attn_bwd_launch", mutates_args=(), device_types=None)
@@ -143,7 +148,7 @@ def _(do, q, k, v, o, lse, is_causal, scale, deterministic):
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H."""
-    if _plain(q):
+    if _plain(q) and not q.is_meta:  # meta tensors go to the launch op, whose fake kernel serves the meta device
         return attention_forward(q, k, v, is_causal, scale)
     if _inlined(q, k, is_causal):
         return forward_inlined(q, k, v, is_causal, scale)
@@ -155,7 +160,7 @@ def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    lse: torch.Tensor, is_causal: bool, scale: float,
                    deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design)."""
-    if _plain(q):
+    if _plain(q) and not q.is_meta:
         return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic])
     if deterministic is not False and _inlined(q, k, is_causal):
         return backward_inlined(do, q, k, v, o, lse, is_causal, scale)
@@ -177,6 +182,38 @@ def _op_backward(ctx, do, dlse):
 
 flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
 
+
+def _autocast_cast(t: object, device: str, dtype: torch.dtype) -> object:
+    """t as autocast casts an input of an op it runs in lower precision: a floating tensor on `device` other than
+    float64 in `dtype`; anything else as it is."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device:
+        return t.to(dtype)
+    return t
+
+
+_AUTOCAST_DEVICES = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}  # device type: its autocast dispatch key
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA)
+_autocast_library = torch.library.Library("cs336", "FRAGMENT")
+
+
+def _register_autocast(name: str, cast: int) -> None:
+    """Op `cs336::name` under autocast as SDPA is: its first `cast` arguments in the autocast dtype (the one in
+    effect, not a fixed one as `torch.library.register_autocast` casts to), the op computed without autocast."""
+    op = getattr(torch.ops.cs336, name).default
+    for device, key in _AUTOCAST_DEVICES.items():
+        def kernel(_keyset, *args, device=device):
+            dtype = torch.get_autocast_dtype(device)
+            args = (*(_autocast_cast(t, device, dtype) for t in args[:cast]), *args[cast:])
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+                return op(*args)
+
+        _autocast_library.impl(name, kernel, key, with_keyset=True)
+
+
+_register_autocast("flash_attn_fwd", 3)  # q, k, v
+_register_autocast("flash_attn_bwd", 0)  # the forward's tensors and dO, in the dtype it ran in
+
 _launch_eagerly_forward = torch.compiler.disable(attention_forward)
 _launch_eagerly_backward = torch.compiler.disable(attention_backward)
 
@@ -189,12 +226,27 @@ def deterministic_flag(flag: object) -> bool | None:
     return check_flag("deterministic", flag)
 
 
+def _autocast_device(t: object) -> str | None:
+    """t's device type where autocast is on for it (the CPU or CUDA, where the op runs), else None."""
+    if isinstance(t, torch.Tensor) and t.device.type in _AUTOCAST_DEVICES:
+        return t.device.type if torch.is_autocast_enabled(t.device.type) else None
+    return None
+
+
 def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: KernelOptions):
+    if torch._C._is_any_autocast_enabled() and (device := _autocast_device(Q)):
+        # as SDPA under autocast: q, k, v in the autocast dtype, the attention itself computed without autocast
+        dtype = torch.get_autocast_dtype(device)
+        Q, K, V = (_autocast_cast(t, device, dtype) for t in (Q, K, V))
+        with torch.autocast(device, enabled=False):
+            return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts)
     is_causal = check_attention_inputs(Q, K, V, is_causal, enable_gqa)
     scale = check_scale(scale, Q.shape[-1])
     deterministic = deterministic_flag(deterministic)
     check_head_dim(Q.shape[-1])
-    if opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
+    if Q.is_meta or not Q.numel():  # nothing to compute: no data (meta), or no rows (batch or heads 0)
+        O, L = _empty_outputs(Q)
+    elif opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
         O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts)
     elif torch.compiler.is_compiling():
         O, L = flash_attn_fwd(Q, K, V, is_causal, scale)
@@ -206,9 +258,14 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: Ke
 
 
 def _backward(ctx, dO):
+    if torch._C._is_any_autocast_enabled() and (device := _autocast_device(dO)):
+        with torch.autocast(device, enabled=False):  # a backward run under autocast: its fp32 math stays fp32
+            return _backward(ctx, dO)
     refuse_double_backward("FlashAttention2Triton")
     L, Q, K, V, O = ctx.saved_tensors
-    if ctx.opts is not DEFAULT_OPTIONS:
+    if Q.is_meta or not Q.numel():  # zeros: a GQA call with no query heads still has K and V
+        dQ, dK, dV = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (Q, K, V))
+    elif ctx.opts is not DEFAULT_OPTIONS:
         dQ, dK, dV = _launch_eagerly_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.opts)
     elif torch.compiler.is_compiling():
         dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic)
@@ -261,5 +318,16 @@ def flash_attention(
     TF32). `deterministic`: True runs the two-pass backward (bitwise repeatable), False the single pass
     (dQ added in fp32), None (default) follows `torch.are_deterministic_algorithms_enabled()`: the two-pass
     backward when it is on, else the faster of the two for the call (`chooser.backward_design`).
+
+    Under `torch.autocast` it follows autocast as SDPA does: q, k, v (floating, not float64) are cast to the
+    autocast dtype and the output is in that dtype. Outputs and gradients are contiguous whatever the inputs'
+    strides. A batch or head count of 0 gives empty outputs (and zero gradients); sequence lengths and the head
+    dim must be at least 1 (ValueError). Meta tensors give outputs of the right shapes, nothing computed.
+    torch.compile traces it (fullgraph too); torch.func transforms (vmap, grad, jvp, ...) raise a RuntimeError.
     """
+    if torch._C._are_functorch_transforms_active():  # before autograd.Function's message, which is for its authors
+        raise RuntimeError(
+            "flash_attention does not support torch.func transforms (vmap, grad, jvp, jacrev, ...): for gradients "
+            "use autograd (loss.backward() or torch.autograd.grad); for vmap fold the mapped dim into the leading "
+            "dims, which take any number of batch dims")
     return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic)

@@ -1,0 +1,263 @@
+"""The Triton op's edges on the CPU: autocast, torch.compile with strided inputs and symbolic scales, empty and meta
+inputs, torch.func transforms.
+
+"interpreter" runs the kernels through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a
+GPU); "pytorch" is the fallback of a CPU without the interpreter (`launch.INTERPRET` patched to False).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cs336_systems.flash.launch as launch
+from cs336_systems.flash_triton import FlashAttention2Triton, flash_attention, flash_attn_bwd, flash_attn_fwd
+
+from .helpers import run
+
+
+@pytest.fixture(params=["interpreter", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """Each way the op runs CPU tensors."""
+    if request.param == "interpreter" and not launch.INTERPRET:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET is set only without a GPU)")
+    if request.param == "pytorch":
+        monkeypatch.setattr(launch, "INTERPRET", False)
+    return request.param
+
+
+@pytest.fixture
+def pytorch_path(monkeypatch):
+    """The CPU fallback alone (torch.compile cannot trace Triton kernels under the interpreter)."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+
+
+def _inputs(seed: int) -> list[torch.Tensor]:
+    """q, k, v, dO of (batch 1, 2 heads, 24 positions, d 16)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, 24, 16, generator=gen) for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autocast
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_follows_autocast_as_sdpa_does(cpu_path, dtype):
+    """Under autocast q, k, v are cast to its dtype, as SDPA's are: the output is in that dtype and is what the op
+    computes from the cast inputs; fp32 inputs get fp32 gradients, those of the cast run."""
+    q, k, v, do = _inputs(seed=1)
+    with torch.autocast("cpu", dtype=dtype):
+        ours = run(flash_attention, q, k, v, do.to(dtype), True)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert ours[0].dtype == sdpa.dtype == dtype
+    cast = run(flash_attention, *(t.to(dtype) for t in (q, k, v, do)), True)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, cast):
+        assert x.dtype == (dtype if name == "O" else torch.float32), f"{name} in {x.dtype}"
+        assert torch.equal(x, y.to(x.dtype)), f"{name} differs from the op on inputs cast to {dtype}"
+
+
+def test_flash_backward_under_autocast_computes_as_outside_it(cpu_path):
+    """A backward run inside the autocast region (allowed, if not advised) gives the gradients of one run outside:
+    the recomputing backward's fp32 math is not lowered by autocast."""
+    q, k, v, do = _inputs(seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = run(flash_attention, q, k, v, do.bfloat16(), True)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flash_attention(q, k, v, True)
+    o.backward(do.bfloat16())
+    for name, x, y in zip(("dQ", "dK", "dV"), inside[1:], (q.grad, k.grad, v.grad)):
+        assert torch.equal(x, y), f"{name} differs when the backward runs under autocast"
+
+
+def test_flash_ops_follow_autocast(cpu_path):
+    """The ops called directly: the forward casts q, k, v to the autocast dtype; neither lets autocast lower the
+    computation inside."""
+    q, k, v, do = _inputs(seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    bf = [t.bfloat16() for t in (q, k, v, do)]
+    o_ref, lse_ref = flash_attn_fwd(*bf[:3], True, 0.25)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads = flash_attn_bwd(bf[3], *bf[:3], o, lse, True, 0.25, True)
+    for name, x, y in zip(("dQ", "dK", "dV"), grads, flash_attn_bwd(bf[3], *bf[:3], o, lse, True, 0.25, True)):
+        assert torch.equal(x, y), f"{name} differs under autocast"
+
+
+def test_flash_compiled_follows_autocast(pytorch_path):
+    """torch.compile traces the autocast cast: a compiled call under autocast returns what the eager one does."""
+    q, k, v, do = _inputs(seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attention, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = run(flash_attention, q, k, v, do.bfloat16(), True)
+        traced = run(compiled, q, k, v, do.bfloat16(), True)
+    assert traced[0].dtype == torch.bfloat16
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, traced):
+        assert torch.equal(x, y), f"{name}: compiled differs from eager under autocast"
+
+
+@pytest.mark.gpu
+def test_flash_follows_cuda_autocast():
+    q, k, v, _ = (t.cuda() for t in _inputs(seed=5))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        o = flash_attention(q, k, v, True)
+        assert o.dtype == F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.bfloat16
+    assert torch.equal(o, flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strided inputs: fake and real kernels agree; torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _strided_qkv(batch=2, seq=24, heads=2, d=16, seed=6):
+    """q, k, v as a fused projection gives them: (batch, heads, seq, d) views of one (batch, seq, 3·heads·d)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, seq, 3 * heads * d, generator=gen)
+    return [t.transpose(1, 2) for t in qkv.view(batch, seq, 3, heads, d).unbind(2)]
+
+
+def _layouts(outputs) -> list[tuple]:
+    return [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+
+
+def _fake_layouts(op, args) -> list[tuple]:
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return _layouts(op(*fake))
+
+
+def test_flash_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
+    """Strided inputs: every op's real outputs have the shapes, strides and dtypes its fake kernel promises
+    (torch.compile's Inductor asserts them), and opcheck passes on them."""
+    from cs336_systems.flash.ops import flash_attn_bwd_launch, flash_attn_fwd_launch
+
+    q, k, v = _strided_qkv()
+    assert not q.is_contiguous()
+    fwd_args = (q, k, v, True, 0.25)
+    o, lse = flash_attn_fwd(*fwd_args)
+    do = torch.randn_like(o).transpose(-1, -2).contiguous().transpose(-1, -2)  # strided too
+    bwd_args = (do, q, k, v, o, lse, True, 0.25, True)
+    for op, args in ((flash_attn_fwd, fwd_args), (flash_attn_fwd_launch, fwd_args), (flash_attn_bwd, bwd_args),
+                     (flash_attn_bwd_launch, bwd_args)):
+        assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
+    torch.library.opcheck(flash_attn_fwd, fwd_args)
+    torch.library.opcheck(flash_attn_bwd, bwd_args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_flash_compiles_with_strided_inputs(pytorch_path):
+    """torch.compile over a fused projection's strided q, k, v: Inductor (which checks the op's output strides
+    against its fake kernel's) and aot_eager, forward and backward, equal to eager."""
+    q, k, v = _strided_qkv(seed=7)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        inductor = torch.compile(flash_attention, backend="inductor", fullgraph=True)(q, k, v, True)
+    assert torch.equal(inductor, flash_attention(q, k, v, True))
+
+    def attend(qkv):
+        b, s = qkv.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, 2, 16).unbind(2))
+        return flash_attention(q, k, v, True)
+
+    qkv = torch.randn(2, 24, 96, generator=torch.Generator().manual_seed(8))
+    do = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(9))
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
+        x = qkv.clone().requires_grad_()
+        o = fn(x)
+        o.backward(do)
+        results.append((o.detach(), x.grad))
+    for name, a, b in zip(("O", "dqkv"), *results):
+        assert torch.equal(a, b), f"{name}: compiled differs from eager"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A scale that torch.compile traces as a symbolic float
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flash_fullgraph_compile_with_a_changing_scale(pytorch_path):
+    """A Python-float scale that changes between calls reaches the scale check as a SymFloat: still no graph
+    break, and each call uses its own scale."""
+    q, k, v, do = _inputs(seed=10)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c, s: flash_attention(a, b, c, True, scale=s), backend="aot_eager",
+                             fullgraph=True)
+    for scale in (0.5, 0.3, 0.2):
+        ours = run(compiled, q, k, v, do, scale)
+        eager = run(lambda *a: flash_attention(*a, True, scale=scale), q, k, v, do)
+        for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, eager):
+            assert torch.equal(x, y), f"{name} at scale {scale}: compiled differs from eager"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Empty inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,gqa", [
+    ((1, 0, 8, 16), (1, 0, 8, 16), False),   # no heads
+    ((0, 2, 8, 16), (0, 2, 8, 16), False),   # no batch
+    ((1, 0, 8, 16), (1, 2, 8, 16), True),    # no query heads: K and V get zero gradients
+    ((2, 0, 8, 16), (2, 0, 8, 16), False),
+], ids=["no-heads", "no-batch", "gqa-no-q-heads", "no-heads-batch-2"])
+@pytest.mark.parametrize("entry", ["function", "flash_attention"])
+def test_flash_empty_batch_or_heads_give_empty_outputs(cpu_path, q_shape, kv_shape, gqa, entry):
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
+    if entry == "function":
+        o = FlashAttention2Triton.apply(q, k, v, True, None, gqa)
+    else:
+        o = flash_attention(q, k, v, True, enable_gqa=gqa)
+    assert o.shape == q_shape and o.dtype == q.dtype
+    o.sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad.shape == t.shape and not t.grad.any(), f"d{name}: {t.grad}"
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(0, 8), (8, 0)])
+def test_flash_empty_sequences_are_value_errors(q_len, kv_len):
+    q, k = torch.randn(1, 2, q_len, 16), torch.randn(1, 2, kv_len, 16)
+    with pytest.raises(ValueError, match="sequence lengths must be at least 1"):
+        flash_attention(q, k, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Meta tensors and torch.func transforms
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flash_meta_tensors_give_outputs_of_the_right_shapes():
+    """Meta tensors (shape inference; the kernels under the interpreter would copy them out): outputs and
+    gradients of the right shapes on the meta device, for the function and for the ops."""
+    q = torch.randn(2, 4, 24, 16, device="meta", requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 16, device="meta", requires_grad=True) for _ in range(2))
+    o = flash_attention(q, k, v, True, enable_gqa=True)
+    assert o.shape == q.shape and o.device.type == "meta"
+    o.sum().backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    assert (o.shape, lse.shape, lse.dtype, o.device.type) == (q.shape, q.shape[:-1], torch.float32, "meta")
+    grads = flash_attn_bwd(o, q, k, v, o, lse, True, 0.25, None)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
+def test_flash_refuses_torch_func_transforms_by_name(transform):
+    q = torch.randn(2, 2, 8, 16)
+    calls = {
+        "vmap": lambda: torch.func.vmap(lambda x: flash_attention(x, x, x))(q),
+        "grad": lambda: torch.func.grad(lambda x: flash_attention(x, x, x).sum())(q),
+        "jvp": lambda: torch.func.jvp(lambda x: flash_attention(x, x, x), (q,), (q,)),
+    }
+    with pytest.raises(RuntimeError, match=r"does not support torch.func transforms \(vmap, grad, jvp"):
+        calls[transform]()
