@@ -225,6 +225,11 @@ def append_line(path: Path, line: str) -> None:
         os.fsync(f.fileno())
 
 
+def torchrun_follower() -> bool:
+    """Whether this process is a rank other than 0 of a torchrun job (which records nothing)."""
+    return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
+
+
 class Recorder:
     """Appends one flat JSON row per measurement to `<out>/<problem>/metrics.jsonl`.
 
@@ -245,11 +250,12 @@ class Recorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.lock = self.path.open("a")  # the data file itself: no lock file left beside committed rows
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another run writing {self.path} to finish", file=sys.stderr)
-            fcntl.flock(self.lock, fcntl.LOCK_EX)
+        if not torchrun_follower():  # (a torchrun job's rank 0 records; the other ranks would wait on it forever)
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for another run writing {self.path} to finish", file=sys.stderr)
+                fcntl.flock(self.lock, fcntl.LOCK_EX)
         self.run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         self.meta = {**run_metadata(device), "run_id": self.run_id}
         self.done: set[tuple] = set()
