@@ -82,12 +82,12 @@ def wide_configs(name: str) -> list:
     """
     import triton
 
-    from cs336_systems.flash_triton import INTERPRET, KERNELS, make_configs
+    from cs336_systems.flash import autotune as flash_autotune
 
-    if INTERPRET:
+    if flash_autotune.INTERPRET:
         return [triton.Config({"Q_TILE_SIZE": 16, "K_TILE_SIZE": 16}, num_warps=1, num_stages=2)]
-    grid = [(q, k, w, s) for q, k in KERNELS[name].wide_tiles for w in WIDE_WARPS for s in WIDE_STAGES]
-    return make_configs(grid)
+    grid = [(q, k, w, s) for q, k in flash_autotune.KERNELS[name].wide_tiles for w in WIDE_WARPS for s in WIDE_STAGES]
+    return flash_autotune.make_configs(grid)
 
 
 @contextmanager

@@ -48,7 +48,7 @@ def test_autotune_wide_grid():
     """Every tile pair of each kernel's wide grid with every warp and stage count, no duplicates."""
     from cs336_systems.flash_triton import KERNELS
 
-    with mock.patch("cs336_systems.flash_triton.INTERPRET", False):
+    with mock.patch("cs336_systems.flash.autotune.INTERPRET", False):
         for name, spec in KERNELS.items():
             configs = autotune_bench.wide_configs(name)
             seen = {(c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"], c.num_warps, c.num_stages) for c in configs}
