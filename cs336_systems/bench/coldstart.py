@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from cs336_systems.bench import options, report
 from cs336_systems.bench.options import add_sized, positive_int
+from cs336_systems.bench.record import key_of
 from cs336_systems.bench.report import Output, Row
 
 if TYPE_CHECKING:
@@ -240,17 +241,25 @@ _CHILDREN = {"first_call": _child_first_call, "new_length": _child_new_length, "
 # ---------------------------------------------------------------------------------------------
 
 
+def _cell(r: Row | None) -> str:
+    if r is None:
+        return "–"
+    if r["status"] != "ok":
+        return r["status"].split(":")[0] + (" (timeout)" if "TimeoutExpired" in r["status"] else "")
+    ms = r["ms"]
+    shown = f"{ms / 1e3:.2f} s" if ms >= 1000 else f"{ms:.1f} ms"
+    return shown + (f", {r['x_sdpa']:.2f}× SDPA" if r.get("x_sdpa") else "")
+
+
 def render(rows: list[Row], out: Output) -> list[str]:
-    rows = report.latest(rows)
+    """One column per commit (in the order first measured), one line per case and measure: before and after."""
     shape = ("variant", "mode", "dtype", "batch", "n_heads", "seq_len", "d_head")
-    cells = []
-    for r in report.sort_rows(rows, shape):
-        ms = r.get("ms")
-        shown = "–" if ms is None else (f"{ms / 1e3:.2f} s" if ms >= 1000 else f"{ms:.1f} ms")
-        extra = f"{r['x_sdpa']:.2f}× SDPA ({r['sdpa_ms']:.1f} ms)" if r.get("x_sdpa") else ""
-        cells.append([*("–" if r.get(f) is None else r[f] for f in shape), r["status"] if r["status"] != "ok"
-                      else shown, extra])
-    return ["## First calls (fresh processes, empty caches)\n\n" + report.markdown([*shape, "time", "note"], cells)]
+    commits = list(dict.fromkeys(r["commit"] for r in rows))
+    latest = {(key_of(r, shape), r["commit"]): r for r in rows}  # file order is time order
+    keys = list(dict.fromkeys(key_of(r, shape) for r in report.sort_rows(rows, shape)))
+    cells = [[*("–" if v is None else v for v in key), *(_cell(latest.get((key, c))) for c in commits)] for key in keys]
+    return ["## First calls (fresh processes, empty caches), per commit\n\n"
+            + report.markdown([*shape, *commits], cells)]
 
 
 if __name__ == "__main__":
