@@ -65,7 +65,7 @@ def flash_forward_tiled(
     return O, L
 
 
-BACKWARD_ROWS = 512  # queries per block of the backward: bounds the (rows, Nk) fp32 score blocks it holds
+BACKWARD_ROWS = 128  # queries per block of the backward: bounds the (rows, Nk) fp32 score blocks it holds
 
 
 def flash_backward(
