@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cs336_systems.flash.tuning import TileConfig
+from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
 # batch·heads·Nq·Nk from which the forward and the dK/dV pass run in Gluon: a Gluon launch (host-side TMA
 # descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton
@@ -73,8 +73,6 @@ class KernelOptions:
 
     def fixed_config(self, kernel: str) -> TileConfig | None:
         """The config a fixed-tile variant (autotune=False) runs for `kernel`; None otherwise."""
-        from cs336_systems.flash.tuning import FIXED_CONFIG
-
         if self.autotune is not False:
             return None
         given = dict(self.configs).get(kernel)
