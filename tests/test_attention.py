@@ -818,3 +818,17 @@ def test_attention_head_dim_256():
     q, k, v, do = make_inputs((1, 40, 40, 256), torch.float32, DEVICE, seed=13)
     ours = run(IMPLS["triton"]().apply, q, k, v, do, True)
     check_against_float64(ours, q, k, v, do, True, FP32_RULE)
+
+
+def test_attention_prewarm_collects_a_signatures_launches_without_running_them(fresh_plans):
+    """What a signature's first call hands the background compiles: its forward's launch, and its backward's for a
+    contiguous and an expanded dO (with TMA the expanded one's dQ pass copies dO: another kernel), none run; and
+    the lengths of the other integer class that Triton specializes on."""
+    from cs336_systems.flash import chooser, launch
+
+    q = torch.randn(1, 2, 40, 16, device=DEVICE)
+    forward, backward = launch._collect(q, q, q, True, chooser.KernelOptions(tma=True), True)
+    assert [l.name for l, _, _ in forward] == ["fwd"] and [l.name for l, _, _ in backward] == ["dq", "kv", "dq", "kv"]
+    assert [c["COPY_DO"] for l, _, c in backward if l.name == "dq"] == [False, True]
+    assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS  # nothing kept that a real call would reuse
+    assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [17, 48, 1025, 1040]

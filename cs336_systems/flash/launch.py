@@ -9,7 +9,7 @@ so calls pass their tensors as they are, except inputs of more than four dims, w
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -600,8 +600,9 @@ def flash_backward_triton(
     if warm is not None:  # (a plan of its own: the first real call waits for the background compiles, then plans)
         plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
     elif plan is None:
-        for future in _WARMING.pop(plan_key((q, k, v), is_causal, opts), ()):
-            future.result()  # the signature's background compiles: Triton's cache then holds their kernels
+        # the signature's background compiles: Triton's cache then holds their kernels (one that failed leaves its
+        # kernel to the launch, which compiles it and raises what is wrong)
+        wait(_WARMING.pop(plan_key((q, k, v), is_causal, opts), ()))
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
     scale = plan.default_scale if scale is None else float(scale)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
@@ -662,9 +663,9 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     of its work) what later calls will need, while the forward compiles its own kernel:
       - with gradients to come, its backward's kernels: the backward's first call waits for them
         (`flash_backward_triton`) and finds them in Triton's cache;
-      - the kernels of lengths of the other integer class (multiples of 16, or not): Triton specializes kernels
-        on it (3% of the step at 8 × 16 × 2048 on the H200, against kernels that do not), so a new length of the
-        other class finds its kernels compiled, without waiting for them now.
+      - then the kernels of lengths of the other integer class (multiples of 16, or not): Triton specializes
+        kernels on it (3% of the step at 8 × 16 × 2048 on the H200, against kernels that do not), so a new length
+        of the other class finds its kernels compiled; nothing waits for these.
     A dO of another layout, or a length of the other class called before its compiles end, compiles as before."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
         return
@@ -684,8 +685,13 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
                   for launcher, args, constexprs in launches}
         return [_POOL[0].submit(warm, *launch) for launch in unique.values()]
 
-    _WARMING[key] = submit(own)
-    submit(other_forward + other)
+    own_futures = _WARMING[key] = submit(own)
+
+    def then_siblings() -> None:  # after the call's own kernels, not competing with them for the GIL
+        wait(own_futures)
+        submit(other_forward + other)
+
+    _POOL[0].submit(then_siblings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
