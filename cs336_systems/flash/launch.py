@@ -636,6 +636,9 @@ def flash_backward_triton(
 
 
 _WARMING: dict[tuple, list[Future]] = {}  # per forward signature: its backward's background compiles
+# q's bytes up to which a first call prewarms: its collected launches hold about ten buffers of q's size until
+# they compile (larger calls take long enough that their compile matters less, and memory may be tight)
+PREWARM_MAX_BYTES = 64 << 20
 _POOL: list[ThreadPoolExecutor] = []
 
 
@@ -666,8 +669,11 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
       - then the kernels of lengths of the other integer class (multiples of 16, or not): Triton specializes
         kernels on it (3% of the step at 8 × 16 × 2048 on the H200, against kernels that do not), so a new length
         of the other class finds its kernels compiled; nothing waits for these.
-    A dO of another layout, or a length of the other class called before its compiles end, compiles as before."""
+    A dO of another layout, or a length of the other class called before its compiles end, compiles as before; so
+    does every call whose q exceeds PREWARM_MAX_BYTES."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
+        return
+    if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
         return
     grads = q.requires_grad or k.requires_grad or v.requires_grad
     _, own = _collect(q, k, v, is_causal, opts, grads)  # (the forward compiles now, in this thread)
