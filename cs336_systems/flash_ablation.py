@@ -6,7 +6,7 @@ the single-pass backward in Gluon with FlashAttention-3's d-64 schedule: keys on
 a loader warp and a dQ warp, dQ added by TMA bulk reductions; elsewhere the two-pass backward, whose passes
 issue dP's matmul before P's exponentials and whose dQ pass, run first, computes delta and copies an expanded
 dO itself). "single_pass" is the previous single pass, on the queries-on-rows dK/dV kernel
-(`single_qrows=True`, shipped from the fifteenth to the twentieth session). "gluon_kv" is the deterministic two-pass
+(`single_qrows=True`, the default before the keys-on-rows kernel). "gluon_kv" is the deterministic two-pass
 backward (`deterministic=True`) with its dK/dV pass in Gluon, "gluon_fwd" the same with the Triton dK/dV
 pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta

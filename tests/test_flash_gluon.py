@@ -336,7 +336,7 @@ def test_gluon_head_groups_cover_every_program(d):
 @pytest.mark.gpu
 def test_gluon_launch_cache_keys_on_the_head_dim():
     """Same shape and config at two head dims: each call runs the kernel compiled for its own (a cache keyed
-    without the head dim ran the d 64 kernel on d 128 tensors in the session-12 sweep)."""
+    without the head dim once ran the d 64 kernel on d 128 tensors)."""
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
 
     opts = KernelOptions(autotune=False, gluon_fwd=True, configs=(("fwd", (64, 128, 8, 2)),))

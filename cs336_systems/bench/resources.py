@@ -11,7 +11,7 @@ unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One 
 config): registers per thread, spill bytes, shared memory, the warps per SM the register file allows
 (65,536 registers per SM), and ptxas's C75xx warnings ("Potential Performance Loss: wgmma.mma_async
 instructions are serialized"), which the PTX does not show: each wgmma then waits for the one before.
-Often a large slowdown (NOTES.md, sessions 7 and 9), not always (the forward's 128×128/4/3 config is
+Often a large slowdown (docs/design.md), not always (the forward's 128×128/4/3 config is
 among the fastest at d 64 with one). Nothing is timed; rows say `gpu: none`.
 """
 

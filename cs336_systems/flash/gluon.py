@@ -6,17 +6,16 @@ The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
 softmax of one key tile under the previous tile's P·V (the schedule and its barriers are described above
 the kernel). `flash_triton` runs it by default where `fwd_supported` holds and the call is large
-(`flash_triton.GLUON_MIN_WORK`); on the H200 it takes 14% less kernel time than the Triton forward at
-the leaderboard shape and 17% less at d 128 (NOTES.md, session 12).
+(`chooser.GLUON_MIN_WORK`); on the H200 it takes less kernel time than the Triton forward at d 64 and 128
+(docs/design.md).
 
 The single pass at d 64 and 128 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton`
 runs it where `supported(single_pass=True)` holds and the call is large) is FlashAttention-3's d-64 backward: the
 keys on rows, two compute warpgroups split along the keys so that P and dS stay in registers for dV and dK, dS to
 shared memory only for dQ, a loader warp and a dQ warp (its schedule is described above the kernel); a tile of 128
 keys × 128 queries at d 64, taken whole (FlashAttention-4's sm90 tile), and FlashAttention-3's d-128 tile, 64 queries
-× 128 keys, at d 128. On the H200 it takes 5.7% off the backward of the queries-on-rows single pass below at the
-leaderboard shape (NOTES.md, session 21; 3.4% more with the whole tile, session 23), and 19% off the two-pass backward
-at d 128 × 65536 (session 22).
+× 128 keys, at d 128. On the H200 it is faster than the queries-on-rows single pass below at d 64 and than the
+two-pass backward at d 128 (docs/design.md).
 
 The dK/dV pass does the work of `flash_triton.flash_bwd_kv_kernel` (one program per key tile, over every
 query tile and every query head of its GQA group that sees it) in one of two layouts (`kv_pass(qrows=)`):
@@ -24,13 +23,12 @@ query tile and every query head of its GQA group that sees it) in one of two lay
 - `flash_bwd_kv_qrows_gluon_kernel` (shipped for the two-pass backward: `flash_triton` runs it where
   `supported(qrows=True)` holds and the call is large): S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
   (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
-  and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop. On the
-  H200 it takes 11% off the Triton pass's kernel time at the leaderboard shape and ~20% at d 128 × 65536
-  (NOTES.md, session 14). With DQ_ATOMIC (`kv_pass(qrows=True, dq_acc=)`, `KernelOptions.single_qrows`) the
+  and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop; faster than
+  the Triton pass on the H200 at d 64 and 128. With DQ_ATOMIC (`kv_pass(qrows=True, dq_acc=)`, `KernelOptions.single_qrows`) the
   same kernel is a single-pass backward: dQ = dS·K from the shared dS and the resident K tile, its fp32 tile
   added into an accumulator by a TMA bulk reduction per tile through a double buffer (128 keys per program,
-  which halves the reduction traffic that held every 64-key single pass back; −6% of the backward against the
-  two-pass design on the H200, NOTES.md, session 15; shipped from session 15 to 20).
+  which halves the reduction traffic that held every 64-key single pass back); the default single pass before
+  the keys-on-rows kernel, kept as an ablation variant.
 - `flash_bwd_kv_gluon_kernel` (opt-in, `KernelOptions(gluon_kv=True, kv_qrows=False)`): the keys on rows,
   as the Triton pass, with the wgmma schedule written out instead of left to Triton's pipeliner, which
   waits for every non-accumulating wgmma as soon as it is issued:
@@ -46,27 +44,24 @@ query tile and every query head of its GQA group that sees it) in one of two lay
         issue  dK += dSᵀ·Q                                     (dSᵀ from registers)
 
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
-  H200 it ties the Triton pass at d 64 and gains ~2% of the backward at d 128, long sequences.
+  H200 it ties the Triton pass at d 64 and gains a little at d 128, long sequences.
 
 The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`): as many heads
 as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
 last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
-before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold: on
-the H200 the grouped order takes 3.8% off the backward at the leaderboard shape and 13% off the single pass at 64
-× 8192 (NOTES.md, session 26). The forward keeps its order: its K and V rows fit either way.
+before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
+the backward's tiles wait on memory. The forward keeps its order: its K and V rows fit either way.
 
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
 into the tiles. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
-Variants measured slower and removed (NOTES.md, sessions 8, 9, 11 and 21): K and V as register operands of
-Sᵀ and dPᵀ, and the next tile's Sᵀ issued before this tile's dSᵀ (code in commit d7855a0); a
-warp-specialized dK/dV pass, a producer warp and two consumer warpgroups of 64 keys (commit 768d525);
-the single-pass backward on the keys-on-rows kernel with dQ by TMA bulk reductions, in two builds (34c5a8e,
-1c8ee71); the single pass on this queries-on-rows kernel with dQ by `red.global` from registers (97b0bd9);
-the keys-on-rows single pass without warp specialization, in two builds (a99016b, 321fc96), and with P rounded
-to bf16 for dS (94eaa4b).
+Variants measured slower and removed (docs/design.md, "Designs tried", has each with its commit): K and V as
+register operands of Sᵀ and dPᵀ; the next tile's Sᵀ issued before this tile's dSᵀ; a warp-specialized dK/dV pass,
+a producer warp and two consumer warpgroups of 64 keys; the single-pass backward on the keys-on-rows kernel with
+dQ by TMA bulk reductions, in two builds; the single pass on this queries-on-rows kernel with dQ by `red.global`
+from registers; the keys-on-rows single pass without warp specialization, and with P rounded to bf16 for dS.
 
 Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the single pass with
 the keys on rows (loader warp, dQ warp, compute tile, kernel), the forward (producer, softmax step, consumer,
@@ -678,13 +673,13 @@ def flash_bwd_single_keys_gluon_kernel(
         dSᵀ = Pᵀ·(dPᵀ - delta)                                               warpgroup under the other's matmuls)
         issue  dQ of tile t-1 = dS·K, dV += Pᵀ·dO, dK += dSᵀ·Q
         dSᵀ -> shared;  wait dQ;  dQ -> shared (once the dQ warp has read the buffer);  wait dV, dK
-    (Two parts of 64 queries per d-64 tile, the second's exponentials under the first's dV and dK, cost 3% more
-    backward time on the H200: NOTES.md, session 23.) Under causal masking the d-128 key tile spans two query
+    (Two parts of 64 queries per d-64 tile, the second's exponentials under the first's dV and dK, were slower on
+    the H200.) Under causal masking the d-128 key tile spans two query
     tiles of the diagonal.
     dS and dQ buffers of tiles of either parity are separate shared allocations named statically (two tiles per
     loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for all of it, and two
     writes into one allocation between barriers would cost a CTA barrier each. The steady loop runs two CTA
-    barriers per tile (the one above, and one the compiler puts after the mbarrier arrive; NOTES.md, session 23).
+    barriers per tile (the one above, and one the compiler puts after the mbarrier arrive).
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
     warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
@@ -936,13 +931,13 @@ def flash_fwd_gluon_kernel(
 
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, STAGES) per head dim: the best of the H200 sweeps
-# (runs/kernels, plans gluon_kv and gluon_kv128; NOTES.md, session 8)
+# (runs/kernels, plans gluon_kv and gluon_kv128)
 CONFIGS = {64: (64, 64, 4, 2), 128: (32, 64, 4, 4)}
 # the dK/dV pass with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`; BLOCK_M = BLOCK_N = 16·num_warps):
-# the best of the H200 sweeps (runs/kernels, plans qrows2 and qrows128; NOTES.md, session 14)
+# the best of the H200 sweeps (runs/kernels, plans qrows2 and qrows128)
 QROWS_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # the same kernel as a single-pass backward (DQ_ATOMIC): 128 keys per program halve dQ's reduction traffic
-# (H200, plan single_qrows, NOTES.md session 15); d 128 keeps the two-pass design (the single pass lost there)
+# (H200, plan single_qrows); d 128 keeps the two-pass design (the single pass lost there)
 SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
 # the shipped single pass, keys on rows (`flash_bwd_single_keys_gluon_kernel`): FlashAttention-3's d-64 tile of
 # 128 keys × 128 queries, two compute warpgroups (its shared memory, 226 KiB, leaves no room for a third stage);

@@ -667,8 +667,8 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
       - with gradients to come, its backward's kernels: the backward's first call waits for them
         (`flash_backward_triton`) and finds them in Triton's cache;
       - then the kernels of lengths of the other integer class (multiples of 16, or not): Triton specializes
-        kernels on it (3% of the step at 8 × 16 × 2048 on the H200, against kernels that do not), so a new length
-        of the other class finds its kernels compiled; nothing waits for these.
+        kernels on it (kernels that do not specialize ran slower steps on the H200), so a new length of the other
+        class finds its kernels compiled; nothing waits for these.
     A dO of another layout, or a length of the other class called before its compiles end, compiles as before; so
     does every call whose q exceeds PREWARM_MAX_BYTES."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
