@@ -441,5 +441,5 @@ def _plot(rows: list[Row], out: Output, key: tuple, run_id: str) -> None:
     ax.set_yticks(ys, [r["variant"] for r in bars], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (median per phase, slowest rank; | = median step)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)  # below the axis: every bar reaches the right
     out.save(fig, report.slug("ddp", *key, run_id[-6:]), "DDP training step by phase")

@@ -318,6 +318,9 @@ def slug(*parts: Any) -> str:
     return "_".join(str(p).replace(".", "p").replace("/", "-").replace(" ", "") for p in parts)
 
 
+TITLE_INCHES = 0.45
+
+
 class Output:
     """Where one problem's plots for one device go: `<dir>/<name><suffix>.png`."""
 
@@ -330,10 +333,11 @@ class Output:
         import matplotlib.pyplot as plt
 
         fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
+        # the top TITLE_INCHES are the title's: tight_layout alone lets the first panel's title run into it
+        fig.tight_layout(rect=(0, 0, 1, 1 - TITLE_INCHES / fig.get_figheight()))
         path = self.dir / f"{name}{self.suffix}.png"
         try:
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, bbox_inches="tight")  # (no axis label or legend cut at the edge)
         finally:  # an unwritable folder must not leave the figure open
             plt.close(fig)
         self.saved.append(path)
