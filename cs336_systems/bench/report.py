@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from cs336_systems.bench.impls import ABLATION_PREFIX
 from cs336_systems.bench.record import KEY_FIELDS, NUMBER, Row, key_of, read_rows, valid_rows
 
 NAME = "report"
@@ -37,6 +38,7 @@ IMPL_STYLE = {  # name -> (label in tables and legends, colour): the same in eve
     "sdpa_cudnn": ("SDPA cuDNN", "#2ca02c"),
     "sdpa_efficient": ("SDPA mem-efficient", "#d62728"),
     "sdpa_math": ("SDPA math", "#8c564b"),
+    "flash_triton_gluon_kv": ("ours, keys-on-rows Gluon dK/dV (two-pass)", "#bcbd22"),
 }
 IMPL_ORDER = tuple(IMPL_STYLE)
 EXTRA_COLORS = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39")
@@ -300,7 +302,12 @@ def subtitle(fields: Sequence[str], key: tuple) -> str:
 
 
 def impl_label(name: str) -> str:
-    return IMPL_STYLE[name][0] if name in IMPL_STYLE else name
+    """The display name: the registry's style table, an ablation step of ours by its step, else the name."""
+    if name in IMPL_STYLE:
+        return IMPL_STYLE[name][0]
+    if name.startswith(ABLATION_PREFIX):
+        return f"ours, ablation step {name.removeprefix(ABLATION_PREFIX)}"
+    return name
 
 
 def impl_color(name: str) -> str:
