@@ -100,7 +100,7 @@ def render_problem(problem: str, rows: list[Row], module: ModuleType | None, fol
     sections, plots = [], []
     devices = group_by_device(rows)
     for i, (label, device_rows) in enumerate(devices):
-        out = Output(folder, "" if i == 0 else slug("", label))
+        out = Output(folder, "" if i == 0 else slug("", label), smoke=label.endswith("--smoke"))
         body = render(device_rows, out)
         if len(devices) > 1:
             body = [f"## Device: {label}"] + [demote(s) for s in body]
@@ -331,15 +331,16 @@ TITLE_INCHES = 0.45
 class Output:
     """Where one problem's plots for one device go: `<dir>/<name><suffix>.png`."""
 
-    def __init__(self, directory: Path, suffix: str = "") -> None:
+    def __init__(self, directory: Path, suffix: str = "", smoke: bool = False) -> None:
         self.dir = directory
         self.suffix = suffix
+        self.smoke = smoke  # the plots' titles then say that their timings mean nothing
         self.saved: list[Path] = []
 
     def save(self, fig, name: str, title: str) -> Path:
         import matplotlib.pyplot as plt
 
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(f"{title} [--smoke: timings meaningless]" if self.smoke else title, fontsize=11)
         # the top TITLE_INCHES are the title's: tight_layout alone lets the first panel's title run into it
         fig.tight_layout(rect=(0, 0, 1, 1 - TITLE_INCHES / fig.get_figheight()))
         path = self.dir / f"{name}{self.suffix}.png"

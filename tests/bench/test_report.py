@@ -174,3 +174,19 @@ def test_smoke_rows_never_replace_gpu_cells(tmp_path):
     assert "0.896" not in smoke_part
     assert (tmp_path / "flash" / "flash_latency_fp32_fwd.png").exists()
     assert list((tmp_path / "flash").glob("flash_latency_fp32_fwd_*--smoke.png"))
+
+
+def test_smoke_plots_say_so_in_their_title(tmp_path, monkeypatch):
+    """A plot of --smoke rows carries the warning in its title (a PNG is read without its table)."""
+    from cs336_systems.bench import report
+
+    figures = []
+    save = report.Output.save
+    monkeypatch.setattr(report.Output, "save", lambda self, fig, name, title: figures.append(fig) or save(
+        self, fig, name, title))
+    assert run_cli("overhead", "--smoke", "--impls", "sdpa_math", "--modes", "fwd", "--out", str(tmp_path)) == 0
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "overhead"]) == 0
+    assert figures and all("--smoke: timings meaningless" in f.get_suptitle() for f in figures)
+    fig, _ = report.new_figure(1)
+    report.Output(tmp_path).save(fig, "real", "a real run")
+    assert fig.get_suptitle() == "a real run"
