@@ -27,7 +27,7 @@ def test_recorder_appends_each_row_immediately(tmp_path):
 
 
 def test_append_after_a_cut_last_line_starts_a_fresh_line(tmp_path):
-    """Issue 11 (1): a file not ending in a newline must not swallow the next row."""
+    """A file not ending in a newline must not swallow the next row."""
     rec = Recorder(tmp_path, "attention", torch.device("cpu"))
     rec.write({**rec.base_row(FIELDS), "status": "ok", "ms": 1.0})
     rec.write({**rec.base_row({**FIELDS, "seq_len": 16}), "status": "ok", "ms": 2.0})
@@ -82,7 +82,7 @@ def test_a_non_utf8_byte_costs_its_line_only(tmp_path, capsys):
 
 
 def test_identity_includes_device_smoke_and_timing_settings(tmp_path):
-    """Issue 11 (2): a CPU or --smoke row never marks a GPU measurement done, nor one with other settings."""
+    """A CPU or --smoke row never marks a GPU measurement done, nor one with other settings."""
     gpu_row = {"problem": "flash", **FIELDS, "gpu": "NVIDIA H200", "rep_ms": 100, "warmup_ms": 25, "status": "ok"}
     (tmp_path / "flash").mkdir()
     (tmp_path / "flash" / "metrics.jsonl").write_text(json.dumps(gpu_row) + "\n")

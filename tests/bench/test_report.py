@@ -91,7 +91,7 @@ def test_report_renders_gpu_shaped_rows(tmp_path):
 
 
 def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
-    """Issue 11 (3): bad rows are warned about and skipped; every other problem still renders."""
+    """Bad rows are warned about and skipped; every other problem still renders."""
     path = write_rows(tmp_path, "flash", flash_rows()[:9])
     with path.open("a") as f:
         f.write('42\nnull\n{"problem": "flash", "status": "ok"}\n')
@@ -160,7 +160,7 @@ def test_report_that_cannot_write_is_a_one_line_error(cause, tmp_path, capsys):
 
 
 def test_smoke_rows_never_replace_gpu_cells(tmp_path):
-    """Issue 11 (2): a --smoke run into a folder of GPU rows gets its own section and plot files."""
+    """A --smoke run into a folder of GPU rows gets its own section and plot files."""
     gpu = [dict(impl=impl, mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=64, d_head=16, is_causal=True,
                 rep_ms=100, warmup_ms=25, **timed(ms)) for impl, ms in (("naive", 0.896), ("flash_triton", 0.5))]
     write_rows(tmp_path, "flash", gpu)

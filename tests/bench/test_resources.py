@@ -78,7 +78,7 @@ def test_resources_refuses_gluon_kernels_off_sm90(tmp_path):
 def test_resources_refuses_interpreted_kernels(tmp_path, capsys):
     # conftest.py enabled the interpreter (no CUDA here), so the kernels cannot be compiled for a target
     if not flash_triton.INTERPRET:
-        pytest.skip("kernels are compiled for the GPU in this session")
+        pytest.skip("kernels are compiled for the GPU in this process")
     with pytest.raises(SystemExit) as exc:
         cli.main(["resources", "--smoke", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "without TRITON_INTERPRET=1" in capsys.readouterr().err
