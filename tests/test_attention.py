@@ -107,14 +107,18 @@ SHAPES = [  # (batch, Nq, Nk, D)
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 
+def _matches_float64(impl, shape, is_causal, dtype, rule):
+    q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
+    ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, rule)
+
+
 @pytest.mark.parametrize("impl", ["pytorch", "triton"])
 @pytest.mark.parametrize("shape", SHAPES[:1])
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("dtype,rule", DTYPE_CASES)
 def test_flash_matches_float64(impl, shape, is_causal, dtype, rule):
-    q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
-    ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
-    check_against_float64(ours, q, k, v, do, is_causal, rule)
+    _matches_float64(impl, shape, is_causal, dtype, rule)
 
 
 @pytest.mark.parametrize("impl", ["pytorch", "triton"])
@@ -122,9 +126,7 @@ def test_flash_matches_float64(impl, shape, is_causal, dtype, rule):
 @pytest.mark.parametrize("is_causal", CAUSAL)
 @pytest.mark.parametrize("dtype,rule", DTYPE_CASES)
 def test_attention_matrix_matches_float64(impl, shape, is_causal, dtype, rule):
-    q, k, v, do = make_inputs(shape, dtype, IMPL_DEVICE[impl])
-    ours = run(IMPLS[impl]().apply, q, k, v, do, is_causal)
-    check_against_float64(ours, q, k, v, do, is_causal, rule)
+    _matches_float64(impl, shape, is_causal, dtype, rule)
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
@@ -279,7 +281,7 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, 
 
     calls = []
     triton = lambda *a, **kw: calls.append(("triton", None))  # noqa: E731
-    monkeypatch.setattr(launch, "_tma_wanted", lambda o, q: True)
+    monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(launch.gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
     monkeypatch.setattr(launch.gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
@@ -318,7 +320,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     calls = []
     nothing = lambda *a, **kw: None  # noqa: E731
     triton = lambda *a, **kw: calls.append(("triton",))  # noqa: E731
-    monkeypatch.setattr(launch, "_tma_wanted", lambda o, q: True)
+    monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
     monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
     monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
