@@ -225,7 +225,7 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and tma_strides_ok(t) for t in tensors)
 
 
-def _tma_wanted(opts: KernelOptions, q: torch.Tensor) -> bool:
+def tma_wanted(opts: KernelOptions, q: torch.Tensor) -> bool:
     return chooser.tma_default(device_index(q)) if opts.tma is None else opts.tma
 
 
@@ -241,7 +241,7 @@ def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: boo
     batch, heads, n_q, d = q4.shape
     index = device_index(q4)
     runs = q4.is_cuda or INTERPRET
-    tma = runs and _tma_wanted(opts, q4) and tma_ok(q4, k4, v4)
+    tma = runs and tma_wanted(opts, q4) and tma_ok(q4, k4, v4)
     gluon_fwd = gluon_single = gluon_kv = False
     if tma:
         gluon_fwd = gluon.fwd_supported(q4, k4, v4, _gluon_config(opts, opts.gluon_fwd, "fwd"))
@@ -389,7 +389,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         split = (chunk, n_k, batch, heads, n_q, d_tile)
         chunks, (out,) = split_buffers(*split, q.device)
         split_lse_shape = (chunks, batch * heads, n_q)
-    use_tma = _tma_wanted(opts, q) and tma_ok(q4, k4, v4, out)
+    use_tma = tma_wanted(opts, q) and tma_ok(q4, k4, v4, out)
     launcher, config = tiled_launch("fwd", tile_config("fwd", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
                                     d_tile, use_tma)
     fwd = _PlannedLaunch(

@@ -18,7 +18,7 @@ from cs336_systems.flash.c_launch import scratch
 from cs336_systems.flash.chooser import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from cs336_systems.flash.launch import (
     INTERPRET, TilesGrid, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like,
-    tile_config, tma_strides_ok,
+    tile_config, tma_strides_ok, tma_wanted,
 )
 from cs336_systems.flash.triton_kernels import flash_bwd_dq_flat_kernel, flash_bwd_kv_flat_kernel, \
     flash_fwd_flat_kernel
@@ -76,7 +76,7 @@ def forward_inlined(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tenso
     o = empty_like(q)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     o4 = as_bhsd(o)
-    use_tma = chooser.tma_default(q.device.index or 0) and _tma_ok_traced(q4, k4, v4, o4)
+    use_tma = tma_wanted(DEFAULT_OPTIONS, q) and _tma_ok_traced(q4, k4, v4, o4)
     if use_tma:  # for launches outside Inductor's (an eager call, aot_eager); Inductor sets its own
         triton.set_allocator(scratch)
     config = _flat_config("fwd", q, d, is_causal, n_q, n_k, use_tma)
@@ -93,7 +93,7 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
     q4, k4, v4, o4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), as_bhsd(do)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    inputs_tma = chooser.tma_default(q.device.index or 0) and _tma_ok_traced(q4, k4, v4)
+    inputs_tma = tma_wanted(DEFAULT_OPTIONS, q) and _tma_ok_traced(q4, k4, v4)
     copy_do = inputs_tma and not _tma_ok_traced(do4)  # (o.sum()'s expanded dO: see `launch.plan_backward`)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
