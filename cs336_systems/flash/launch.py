@@ -9,6 +9,7 @@ so calls pass their tensors as they are, except inputs of more than four dims, w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -431,6 +432,8 @@ def flash_forward_triton(
     elif plan is None:
         prewarm(q, k, v, is_causal, opts, key)
         plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1])
+        if not (q.requires_grad or k.requires_grad or v.requires_grad):
+            _start_siblings(key)  # (queued behind this call's own kernel, compiled next in this thread)
     scale = plan.default_scale if scale is None else float(scale)
     o = empty_like(q)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
@@ -602,8 +605,10 @@ def flash_backward_triton(
     elif plan is None:
         # the signature's background compiles: Triton's cache then holds their kernels (one that failed leaves its
         # kernel to the launch, which compiles it and raises what is wrong)
-        wait(_WARMING.pop(plan_key((q, k, v), is_causal, opts), ()))
+        forward_key = plan_key((q, k, v), is_causal, opts)
+        wait(_WARMING.pop(forward_key, ()))
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+        _start_siblings(forward_key)
     scale = plan.default_scale if scale is None else float(scale)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     if plan.reshape:
@@ -636,6 +641,7 @@ def flash_backward_triton(
 
 
 _WARMING: dict[tuple, list[Future]] = {}  # per forward signature: its backward's background compiles
+_SIBLINGS: dict[tuple, Callable[[], None]] = {}  # per forward signature: submits its other length class's compiles
 # q's bytes up to which a first call prewarms: its collected launches hold about ten buffers of q's size until
 # they compile (larger calls take long enough that their compile matters less, and memory may be tight)
 PREWARM_MAX_BYTES = 64 << 20
@@ -654,8 +660,8 @@ def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     forward: list = []
     o, lse = flash_forward_triton(q, k, v, is_causal, opts, warm=forward)
     launches: list = []
-    if backward:
-        for do in (o, torch.zeros((1,) * q.ndim, device=q.device, dtype=q.dtype).expand(q.shape)):
+    if backward:  # (o.sum()'s dO expands a 0-dim tensor: every stride 0, which Triton specializes unlike 1)
+        for do in (o, q.new_zeros(()).expand(q.shape)):
             flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, warm=launches)
     return forward, launches
 
@@ -666,9 +672,9 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     of its work) what later calls will need, while the forward compiles its own kernel:
       - with gradients to come, its backward's kernels: the backward's first call waits for them
         (`flash_backward_triton`) and finds them in Triton's cache;
-      - then the kernels of lengths of the other integer class (multiples of 16, or not): Triton specializes
-        kernels on it (kernels that do not specialize ran slower steps on the H200), so a new length of the other
-        class finds its kernels compiled; nothing waits for these.
+      - once the first call has run (`_start_siblings`), the kernels of lengths of the other integer class
+        (multiples of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower
+        steps on the H200), so a new length of the other class finds its kernels compiled; nothing waits for these.
     A dO of another layout, or a length of the other class called before its compiles end, compiles as before; so
     does every call whose q exceeds PREWARM_MAX_BYTES."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
@@ -677,8 +683,6 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         return
     grads = q.requires_grad or k.requires_grad or v.requires_grad
     _, own = _collect(q, k, v, is_causal, opts, grads)  # (the forward compiles now, in this thread)
-    siblings = [t.new_empty((*t.shape[:-2], _sibling_length(t.shape[-2]), t.shape[-1])) for t in (q, k, v)]
-    other_forward, other = _collect(*siblings, is_causal, opts, grads)
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))
 
@@ -691,13 +695,25 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
                   for launcher, args, constexprs in launches}
         return [_POOL[0].submit(warm, *launch) for launch in unique.values()]
 
-    own_futures = _WARMING[key] = submit(own)
+    _WARMING[key] = submit(own)
+    device, dtype = q.device, q.dtype  # (not q itself: nothing of the call is held until the siblings start)
+    shapes = [(*t.shape[:-2], _sibling_length(t.shape[-2]), t.shape[-1]) for t in (q, k, v)]
 
-    def then_siblings() -> None:  # after the call's own kernels, not competing with them for the GIL
-        wait(own_futures)
+    def siblings() -> None:
+        other_forward, other = _collect(*(torch.empty(s, device=device, dtype=dtype) for s in shapes), is_causal,
+                                        opts, grads)
         submit(other_forward + other)
 
-    _POOL[0].submit(then_siblings)
+    _SIBLINGS[key] = siblings
+
+
+def _start_siblings(key: tuple) -> None:
+    """Start the background compiles of the other length class of a signature, once its first call has run (its
+    forward without gradients, else its first backward): started earlier, they take the GIL from that call's own
+    compiles and launches."""
+    start = _SIBLINGS.pop(key, None)
+    if start is not None:
+        start()
 
 
 # ---------------------------------------------------------------------------------------------------------------
