@@ -123,6 +123,26 @@ def test_flash_tuning_loads_the_table_file(tmp_path):
     assert tuning.load_table(tmp_path / "missing.json") == {}
 
 
+def test_flash_tuning_shares_one_config_across_buckets_within_tolerance(tmp_path):
+    """A config within 5% of every bucket's winner serves all buckets of its key (a new length compiles nothing);
+    where none is, each bucket keeps its winner."""
+    a, b, c = TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 3), TileConfig(128, 32, 4, 3)
+    assert tuning.shared_config({512: {a: 1.0, b: 1.045}, 2048: {a: 1.054, b: 1.0}}) == b
+    assert tuning.shared_config({512: {a: 1.0, b: 1.07}, 2048: {a: 1.2, b: 1.0}}) is None
+    assert tuning.shared_config({512: {a: 1.0, b: 1.01}}) is None                  # one bucket: its winner
+    assert tuning.shared_config({512: {a: 1.0}, 2048: {c: 1.0}}) is None          # nothing timed in both
+
+    def entry(bucket, config, tried):
+        return dict(kernel="dq", arch="sm90", d=64, dtype="16bit", causal=True, bucket=bucket, config=config,
+                    tried=[[*cfg, ms] for cfg, ms in tried])
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"measured": [], "entries": [
+        entry(512, [64, 64, 4, 2], [((64, 64, 4, 2), 1.0), ((128, 64, 8, 3), 1.045)]),
+        entry(2048, [128, 64, 8, 3], [((64, 64, 4, 2), 1.054), ((128, 64, 8, 3), 1.0)])]}))
+    assert set(tuning.load_table(path).values()) == {b}
+
+
 def test_flash_tuning_shipped_table_names_known_kernels_and_its_provenance():
     if not tuning.TABLE_PATH.exists():
         pytest.skip("no tuning table shipped")

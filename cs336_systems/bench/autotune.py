@@ -259,7 +259,9 @@ def table_entry(event: dict[str, Any], dtype, d: int, seq: int, causal: bool, ro
                 d=tuning.padded_dim(d), dtype=tuning.dtype_class(dtype, chooser.precision(dtype)), causal=causal,
                 bucket=tuning.length_bucket(seq, seq),
                 config=[best.kwargs["Q_TILE_SIZE"], best.kwargs["K_TILE_SIZE"], best.num_warps, best.num_stages],
-                ms=row.get("ms"), run_id=row["run_id"])
+                ms=row.get("ms"), run_id=row["run_id"],
+                tried=[[c["Q_TILE_SIZE"], c["K_TILE_SIZE"], c["num_warps"], c["num_stages"], c["ms"]]
+                       for c in row.get("configs", ()) if math.isfinite(c["ms"])])
 
 
 def write_table(path: Path, entries: list[dict[str, Any]], meta: Row) -> None:
@@ -271,7 +273,16 @@ def write_table(path: Path, entries: list[dict[str, Any]], meta: Row) -> None:
     provenance = {f: meta.get(f) for f in ("gpu", "torch", "triton", "commit", "run_id")}
     table["measured"] = [*table["measured"], {**provenance, "date": time.strftime("%Y-%m-%d", time.gmtime())}]
     table["entries"] = sorted(merged.values(), key=lambda e: tuple(str(e[f]) for f in key))
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    path.write_text(table_text(table))
+
+
+def table_text(table: dict[str, Any]) -> str:
+    """The table file's text: one line per provenance record and per entry."""
+    def lines(items: list) -> str:
+        return ",\n".join("  " + json.dumps(item) for item in items)
+
+    return f'{{\n "measured": [\n{lines(table["measured"])}\n ],\n "entries": [\n{lines(table["entries"])}\n ]\n}}\n'
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -649,8 +649,9 @@ _POOL: list[ThreadPoolExecutor] = []
 
 
 def _sibling_length(n: int) -> int:
-    """A length of the other class Triton specializes integers into (multiple of 16 or not)."""
-    return n + 1 if n % 16 == 0 else -(-n // 16) * 16
+    """A length of the other class Triton specializes integers into (multiple of 16 or not), in n's length bucket
+    (the same tiles)."""
+    return n - 1 if n % 16 == 0 else -(-n // 16) * 16
 
 
 def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,

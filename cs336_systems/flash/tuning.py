@@ -7,7 +7,8 @@ Nothing is timed on the default path. `tile_config` answers from
   2. else `rule_config`: the configs that won the H200 sweeps, by head dim and dtype class.
 Then the tiles are shrunk to the padded sequence lengths, so short calls do not run empty tiles. A length
 bucket is a power of two (`length_bucket`), so a new sequence length reuses the compiled kernels of its
-bucket: only its ragged-tile flags (`even_flags`) can add a compile.
+bucket: only its ragged-tile flags (`even_flags`) can add a compile. Where one config is within 5% of every
+bucket's winner (`shared_config`), all the buckets run it, and a new length compiles nothing.
 
 fp32 runs smaller tiles than 16-bit inputs: its operands take twice the registers and shared memory, and
 IEEE fp32 dots (`torch.get_float32_matmul_precision() == "highest"`) unroll into FMAs whose compile time
@@ -105,14 +106,44 @@ def arch_name(capability: tuple[int, int]) -> str:
     return f"sm{capability[0]}{capability[1]}"
 
 
+# A config within this factor of each bucket's winner serves all of a key's buckets: a new length in another
+# bucket then compiles nothing (~1 s a kernel), for at most this much of one kernel's time
+SHARED_TOLERANCE = 1.05
+
+
+def shared_config(tried: dict[int, dict[TileConfig, float]]) -> TileConfig | None:
+    """Of the configs timed in every bucket (bucket -> config -> ms), the one whose worst ratio to a bucket's best
+    is least, if that ratio is within SHARED_TOLERANCE; else None (each bucket keeps its winner)."""
+    common = set.intersection(*(set(times) for times in tried.values())) if tried else set()
+    if len(tried) < 2 or not common:
+        return None
+
+    def worst(config: TileConfig) -> float:
+        return max(times[config] / min(times.values()) for times in tried.values())
+
+    best = min(sorted(common), key=worst)
+    return best if worst(best) <= SHARED_TOLERANCE else None
+
+
 @functools.cache
 def load_table(path: pathlib.Path = TABLE_PATH) -> dict[TableKey, TileConfig]:
-    """The shipped table's entries (empty when there is no table file)."""
+    """The shipped table (empty when there is no table file): per key, each bucket's winner, or the `shared_config`
+    of the key's buckets where the entries list every config's time (`tried`: [q, k, warps, stages, ms] each)."""
     if not path.exists():
         return {}
-    data = json.loads(path.read_text())
-    return {TableKey(e["kernel"], e["arch"], e["d"], e["dtype"], e["causal"], e["bucket"]): TileConfig(*e["config"])
-            for e in data["entries"]}
+    table: dict[TableKey, TileConfig] = {}
+    tried: dict[tuple, dict[int, dict[TileConfig, float]]] = {}
+    for e in json.loads(path.read_text())["entries"]:
+        key = TableKey(e["kernel"], e["arch"], e["d"], e["dtype"], e["causal"], e["bucket"])
+        table[key] = TileConfig(*e["config"])
+        if e.get("tried"):
+            group = tried.setdefault((key.kernel, key.arch, key.d_tile, key.dclass, key.causal), {})
+            group[key.bucket] = {TileConfig(*t[:4]): t[4] for t in e["tried"]}
+    for group, per_bucket in tried.items():
+        shared = shared_config(per_bucket)
+        if shared is not None:
+            table.update({TableKey(*group, bucket): shared for bucket in per_bucket})
+    return table
 
 
 def table_config(table: dict[TableKey, TileConfig], key: TableKey) -> TileConfig | None:

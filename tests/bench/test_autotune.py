@@ -98,3 +98,21 @@ def test_autotune_observe_records_every_config():
     assert [c["BLOCK"] for c in metrics["configs"]] == [32, 64, 16]
     assert metrics["tuning_key"][0] == "64"
     assert metrics["bench_time_s"] is not None and metrics["from_disk_cache"] is False
+
+
+def test_autotune_write_table_merges_entries_and_loads_back(tmp_path):
+    """--write-table: a run's entries (with every config's time) merge over the file's, one line each, and the
+    package's loader reads them."""
+    from cs336_systems.flash import tuning
+
+    path = tmp_path / "table.json"
+    meta = {"gpu": "NVIDIA H200", "torch": "2", "triton": "3", "commit": "abc", "run_id": "r1"}
+    old = dict(kernel="kv", arch="sm90", d=64, dtype="16bit", causal=True, bucket=1024, config=[32, 128, 4, 3])
+    new = dict(old, config=[64, 64, 4, 2], tried=[[64, 64, 4, 2, 0.1], [32, 128, 4, 3, 0.2]])
+    autotune_bench.write_table(path, [old], meta)
+    autotune_bench.write_table(path, [new, dict(old, bucket=2048)], meta)
+    lines = path.read_text().splitlines()
+    assert sum('"kernel"' in line for line in lines) == 2 and len(lines) == 10
+    loaded = tuning.load_table(path)
+    assert loaded[tuning.TableKey("kv", "sm90", 64, "16bit", True, 1024)] == tuning.TileConfig(64, 64, 4, 2)
+    assert loaded[tuning.TableKey("kv", "sm90", 64, "16bit", True, 2048)] == tuning.TileConfig(32, 128, 4, 3)
