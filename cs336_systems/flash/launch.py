@@ -27,9 +27,10 @@ MAX_HEAD_DIM = 256  # the largest head dim the kernels take
 MAX_GRID_Y = 65535
 PREP_TILE = 16 if INTERPRET else 64
 SUM_TILE = 16 if INTERPRET else 32  # rows per program of the split sum (more programs: it is latency-bound)
-# The CPU fallback's forward tiles: every visible key at once, 128 queries at a time (the fastest of 32-1024 on
-# 2 CPU cores at 1 x 8 x 1024 x 64, causal; larger blocks fall out of cache, smaller ones pay per-call costs)
-CPU_Q_TILE, CPU_K_TILE = 128, 4096
+# The CPU fallback's forward tiles: 64 queries by 512 keys (on 2 CPU cores, causal, 1 x 8 x S x 64 at S 1024 and
+# 4096: half the time of 128 queries by every key at once, whose score blocks fall out of cache; smaller tiles
+# pay per-call costs)
+CPU_Q_TILE, CPU_K_TILE = 64, 512
 
 
 def launch_hooks_installed() -> bool:
