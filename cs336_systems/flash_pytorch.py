@@ -125,12 +125,16 @@ def _whole_backward(Q, K, V, O, dO, L, is_causal, scale=None, grad_dtype=None):
     return flash_backward(Q, K, V, O, dO, L, is_causal, scale, None, grad_dtype)
 
 
-flash_backward_compiled = torch.compile(_whole_backward, dynamic=True)
+@functools.cache
+def flash_backward_compiled():
+    """The whole backward under torch.compile, made at its first use: `torch.compile` imports Dynamo and Inductor,
+    seconds that a process running only the kernels, or only the CPU, should not pay at import."""
+    return torch.compile(_whole_backward, dynamic=True)
 
 
 def backward_for(device: torch.device):
     """The backward a device runs: compiled on CUDA, eager elsewhere (see the module)."""
-    return flash_backward_compiled if device.type == "cuda" else flash_backward
+    return flash_backward_compiled() if device.type == "cuda" else flash_backward
 
 
 class FlashAttention2Pytorch(torch.autograd.Function):
