@@ -84,6 +84,7 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["resources", "--d", "0"],
     ["resources", "--d", "1024"],
     ["resources", "--arch", "0"],
+    ["precision", "--cases", "nosuch"],
     *([problem, "--seq", str(10**12)] for problem in ("attention", "flash", "leaderboard", "overhead")),
 ], ids=lambda argv: " ".join(argv))
 def test_bad_input_is_a_usage_error_before_any_row(argv, tmp_path, capsys):
