@@ -41,6 +41,7 @@ from cs336_systems.bench import (
     model,
     options,
     overhead,
+    profile,
     report,
     resources,
 )
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, coldstart, resources, allreduce,
-                        ddp)
+                        ddp, profile)
 }
 DEFAULT_OUT = Path("runs")
 INTERRUPTED = 130  # the shell's exit status for SIGINT
