@@ -42,6 +42,7 @@ from cs336_systems.bench import (
     options,
     overhead,
     precision,
+    profile,
     report,
     resources,
 )
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, coldstart, resources, allreduce,
-                        ddp, precision)
+                        ddp, precision, profile)
 }
 DEFAULT_OUT = Path("runs")
 INTERRUPTED = 130  # the shell's exit status for SIGINT
