@@ -38,6 +38,7 @@ from cs336_systems.bench import (
     ddp,
     flash,
     leaderboard,
+    memory,
     model,
     options,
     overhead,
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
     import torch
 
 PROBLEMS: dict[str, ModuleType] = {
-    m.NAME: m for m in (attention, model, flash, leaderboard, overhead, autotune, coldstart, resources, allreduce,
-                        ddp, precision, profile)
+    m.NAME: m for m in (attention, model, memory, flash, leaderboard, overhead, autotune, coldstart, resources,
+                        allreduce, ddp, precision, profile)
 }
 DEFAULT_OUT = Path("runs")
 INTERRUPTED = 130  # the shell's exit status for SIGINT

@@ -71,6 +71,8 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["attention", "--no-eager"],
     ["model", "--context", "0"],
     ["model", "--attention", "nosuch"],
+    ["memory", "--context", "0"],
+    ["memory", "--dtype", "fp16"],
     ["flash", "--rep-ms", "-5"],
     ["flash", "--d", "1024"],
     ["overhead", "--d", "1024"],
