@@ -428,13 +428,21 @@ def flash_forward_triton(
         with torch.cuda.device(q.device):
             return flash_forward_triton(q, k, v, is_causal, opts, scale, warm)
     plan = _FORWARD_PLANS.get(key)
+    first = warm is None and plan is None
     if warm is not None:
         plan = plan_forward(q, k, v, is_causal, opts, key[-1])
-    elif plan is None:
+    elif first:
         prewarm(q, k, v, is_causal, opts, key)
         plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1])
-        if not (q.requires_grad or k.requires_grad or v.requires_grad):
-            _start_siblings(key)  # (queued behind this call's own kernel, compiled next in this thread)
+    o, lse = _run_forward(plan, q, k, v, is_causal, scale, warm)
+    if first and not _wants_grad(q, k, v):
+        _start_siblings(key)  # (a call with gradients to come starts them after its backward)
+    return o, lse
+
+
+def _run_forward(plan: ForwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 scale: float | None, warm: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches of `flash_forward_triton`, by its plan."""
     scale = plan.default_scale if scale is None else float(scale)
     o = empty_like(q)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
@@ -609,7 +617,16 @@ def flash_backward_triton(
         forward_key = plan_key((q, k, v), is_causal, opts)
         wait(_WARMING.pop(forward_key, ()))
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
-        _start_siblings(forward_key)
+        grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
+        _start_siblings(forward_key)  # after the first call's launches, which they would slow (GIL)
+        return grads
+    return _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
+
+
+def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, do: torch.Tensor, is_causal: bool, scale: float | None,
+                  warm: list | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launches of `flash_backward_triton`, by its plan."""
     scale = plan.default_scale if scale is None else float(scale)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     if plan.reshape:
@@ -649,6 +666,11 @@ PREWARM_MAX_BYTES = 64 << 20
 _POOL: list[ThreadPoolExecutor] = []
 
 
+def _wants_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a backward will follow this forward."""
+    return q.requires_grad or k.requires_grad or v.requires_grad
+
+
 def _sibling_length(n: int) -> int:
     """A length of the other class Triton specializes integers into (multiple of 16 or not), in n's length bucket
     (the same tiles)."""
@@ -683,7 +705,7 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         return
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
         return
-    grads = q.requires_grad or k.requires_grad or v.requires_grad
+    grads = _wants_grad(q, k, v)
     _, own = _collect(q, k, v, is_causal, opts, grads)  # (the forward compiles now, in this thread)
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))

@@ -114,8 +114,10 @@ SHARED_TOLERANCE = 1.05
 def shared_config(tried: dict[int, dict[TileConfig, float]]) -> TileConfig | None:
     """Of the configs timed in every bucket (bucket -> config -> ms), the one whose worst ratio to a bucket's best
     is least, if that ratio is within SHARED_TOLERANCE; else None (each bucket keeps its winner)."""
-    common = set.intersection(*(set(times) for times in tried.values())) if tried else set()
-    if len(tried) < 2 or not common:
+    if len(tried) < 2:
+        return None
+    common = set.intersection(*(set(times) for times in tried.values()))
+    if not common:
         return None
 
     def worst(config: TileConfig) -> float:
