@@ -832,5 +832,10 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     forward, backward = launch._collect(q, q, q, True, chooser.KernelOptions(tma=True), True)
     assert [l.name for l, _, _ in forward] == ["fwd"] and [l.name for l, _, _ in backward] == ["dq", "kv", "dq", "kv"]
     assert [c["COPY_DO"] for l, _, c in backward if l.name == "dq"] == [False, True]
+    # one background compile per kernel Triton would compile: with TMA the expanded dO's dQ pass copies it, so both
+    # layouts share the dK/dV pass; without, every pass reads dO's strides (1 and 0, specialized apart)
+    assert len({launch.specialization(l.name, a, c) for l, a, c in backward}) == 3
+    _, plain = launch._collect(q, q, q, True, chooser.KernelOptions(tma=False), True)
+    assert len({launch.specialization(l.name, a, c) for l, a, c in plain}) == 4
     assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS  # nothing kept that a real call would reuse
     assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [15, 48, 1023, 1040]

@@ -109,6 +109,9 @@ class _Launcher:
         kernel._init_handles()  # the module load and the C launcher's build, otherwise paid at the first launch
 
     def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
+        in_flight = _IN_FLIGHT.get(specialization(self.name, args, constexprs))
+        if in_flight is not None:  # a background compile of this kernel: wait for it rather than compile it twice
+            wait((in_flight,))
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
@@ -612,10 +615,7 @@ def flash_backward_triton(
     if warm is not None:  # (a plan of its own: the first real call waits for the background compiles, then plans)
         plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
     elif plan is None:
-        # the signature's background compiles: Triton's cache then holds their kernels (one that failed leaves its
-        # kernel to the launch, which compiles it and raises what is wrong)
         forward_key = plan_key((q, k, v), is_causal, opts)
-        wait(_WARMING.pop(forward_key, ()))
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
         grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
         _start_siblings(forward_key)  # after the first call's launches, which they would slow (GIL)
@@ -658,7 +658,25 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv
 
 
-_WARMING: dict[tuple, list[Future]] = {}  # per forward signature: its backward's background compiles
+def specialization(name: str, args: tuple, constexprs: dict) -> tuple:
+    """What Triton compiles a kernel anew for, of a launch's arguments: each tensor's dtype and 16-byte alignment,
+    each integer's classes (1, multiple of 16, 32-bit), also inside tuples (the strides), the other arguments'
+    types, and the constexprs."""
+
+    def spec(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, tuple):
+            return tuple(spec(x) for x in a)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+        return a if isinstance(a, bool) else type(a)
+
+    return (name, spec(tuple(args)), tuple(constexprs.items()))
+
+
+_IN_FLIGHT: dict[tuple, Future] = {}  # per `specialization`: its background compile (kept after it ends)
+_PREWARMED: set[tuple] = set()  # forward signatures whose kernels were sent to the background
 _SIBLINGS: dict[tuple, Callable[[], None]] = {}  # per forward signature: submits its other length class's compiles
 # q's bytes up to which a first call prewarms: its collected launches hold about ten buffers of q's size until
 # they compile (larger calls take long enough that their compile matters less, and memory may be tight)
@@ -694,14 +712,14 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
             key: tuple) -> None:
     """At the first forward of a signature, compile in background threads (Triton's compiler leaves the GIL for most
     of its work) what later calls will need, while the forward compiles its own kernel:
-      - with gradients to come, its backward's kernels: the backward's first call waits for them
-        (`flash_backward_triton`) and finds them in Triton's cache;
+      - with gradients to come, its backward's kernels (for dO contiguous and as o.sum() expands it): each launch of
+        the first backward waits for its kernel's compile and finds it in Triton's cache;
       - once the first call has run (`_start_siblings`), the kernels of lengths of the other integer class
         (multiples of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower
-        steps on the H200), so a new length of the other class finds its kernels compiled; nothing waits for these.
-    A dO of another layout, or a length of the other class called before its compiles end, compiles as before; so
-    does every call whose q exceeds PREWARM_MAX_BYTES."""
-    if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _WARMING:
+        steps on the H200), so a new length of the other class finds its kernels compiled (or in flight).
+    Any launch whose kernel is still compiling in the background waits for that compile (`_IN_FLIGHT`). A dO of
+    another layout compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES."""
+    if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _PREWARMED:
         return
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
         return
@@ -710,17 +728,20 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))
 
+    device, dtype = q.device, q.dtype  # (not q itself: nothing of the call is held until the siblings start)
+
     def warm(launcher: _Launcher, args: tuple, constexprs: dict) -> None:
-        with torch.cuda.device(q.device):
+        with torch.cuda.device(device):
             launcher.warm(args, constexprs)
 
-    def submit(launches: list) -> list[Future]:
-        unique = {(launcher.name, *constexprs.items()): (launcher, args, constexprs)
-                  for launcher, args, constexprs in launches}
-        return [_POOL[0].submit(warm, *launch) for launch in unique.values()]
+    def submit(launches: list) -> None:
+        for launcher, args, constexprs in launches:
+            spec = specialization(launcher.name, args, constexprs)
+            if spec not in _IN_FLIGHT:
+                _IN_FLIGHT[spec] = _POOL[0].submit(warm, launcher, args, constexprs)
 
-    _WARMING[key] = submit(own)
-    device, dtype = q.device, q.dtype  # (not q itself: nothing of the call is held until the siblings start)
+    _PREWARMED.add(key)
+    submit(own)
     shapes = [(*t.shape[:-2], _sibling_length(t.shape[-2]), t.shape[-1]) for t in (q, k, v)]
 
     def siblings() -> None:
@@ -729,6 +750,11 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         submit(other_forward + other)
 
     _SIBLINGS[key] = siblings
+
+
+def wait_for_background_compiles() -> None:
+    """Block until every background compile started so far has ended (benchmarks that time settled calls)."""
+    wait(tuple(_IN_FLIGHT.values()))
 
 
 def _start_siblings(key: tuple) -> None:
