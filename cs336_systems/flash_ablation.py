@@ -11,7 +11,8 @@ backward (`deterministic=True`) with its dK/dV pass in Gluon, "gluon_fwd" the sa
 pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
-"atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`), measured
+"gluon_everywhere" is the shipped kernel with the Gluon kernels at every size they take, short calls too
+(the measurement behind `chooser.GLUON_MIN_WORK`). "atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`), measured
 slower than the two-pass design on the H200. The steps before "tma" load tiles through
 block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
 `runs/README.md` has the table. Non-shipped variants launch eagerly (a graph break under
@@ -43,6 +44,7 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "gluon_fwd": autograd_function("FlashGluonFwd", KernelOptions(gluon_kv=False, deterministic=True)),
     "gluon_kv": autograd_function("FlashGluonKv", KernelOptions(deterministic=True)),
     "single_pass": autograd_function("FlashSinglePassQrows", KernelOptions(single_qrows=True)),
+    "gluon_everywhere": autograd_function("FlashGluonEverywhere", KernelOptions(gluon_fwd=True, gluon_kv=True)),
     "single_keys": FlashAttention2Triton,
 }
 
