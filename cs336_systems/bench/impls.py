@@ -28,7 +28,8 @@ closest name and a pointer to the list (`python -m cs336_systems.bench.impls` pr
 
 `build(name, setup)` raises `Unsupported` (recorded as an "unsupported" row) where the combination
 cannot run: an SDPA backend without a kernel for the dtype / device (or for grouped k and v), naive
-and flash_pytorch on grouped k and v, or torch.compile around our kernels under the Triton interpreter. The module imports torch only inside the builders.
+and flash_pytorch on grouped k and v, or torch.compile around our kernels under the Triton interpreter.
+The module imports torch only inside the builders.
 """
 
 from __future__ import annotations
