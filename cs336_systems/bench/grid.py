@@ -136,7 +136,8 @@ def check(args: argparse.Namespace) -> None:
 
 
 def largest_inputs(args: argparse.Namespace, device: torch.device) -> tuple[int, str]:
-    points = [*selected(args), *([host_point(args)] if "host" in args.sections else [])]
+    points = [*(selected(args) if "grid" in args.sections else ()),
+              *([host_point(args)] if "host" in args.sections else [])]
     return max((inputs_bytes(("q", "k", "v", "dO"), p.dtype, (p.batch, p.n_heads, p.seq_len, p.d_head))
                 for p in points), key=lambda sized: sized[0])
 

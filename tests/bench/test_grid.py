@@ -132,3 +132,9 @@ def test_render_states_the_worst_ratio_per_target(tmp_path):
     assert "worst 1.100 vs SDPA flash (missed) at 8 × 2048, GQA 16:4" in table
     assert "ours ≤ 1.25× SDPA flash: 1.100 (met)" in table
     assert "op - class = +8.0 µs (met)" in table
+
+
+def test_largest_inputs_are_those_of_the_sections_run():
+    """q, k, v and dO of the largest point measured (the device only bounds them)."""
+    assert grid.largest_inputs(parsed("--sections", "host"), None)[0] == 4 * 16 * 1024 * 64 * 2
+    assert grid.largest_inputs(parsed("--d", "128"), None)[0] == 4 * 16 * 16384 * 128 * 2
