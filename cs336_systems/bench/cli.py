@@ -37,6 +37,7 @@ from cs336_systems.bench import (
     coldstart,
     ddp,
     flash,
+    grid,
     leaderboard,
     memory,
     model,
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
     import torch
 
 PROBLEMS: dict[str, ModuleType] = {
-    m.NAME: m for m in (attention, model, memory, flash, leaderboard, overhead, autotune, coldstart, resources,
-                        allreduce, ddp, precision, profile)
+    m.NAME: m for m in (attention, model, memory, flash, leaderboard, grid, overhead, autotune, coldstart,
+                        resources, allreduce, ddp, precision, profile)
 }
 DEFAULT_OUT = Path("runs")
 INTERRUPTED = 130  # the shell's exit status for SIGINT

@@ -2,35 +2,41 @@
 
 Every benchmark (attention, flash, leaderboard, model, overhead) builds its callables here. Inputs are
 (..., seq, d) tensors, e.g. (batch, seq, d) or (batch, heads, seq, d); SDPA gets 3-d inputs as
-(1, X, seq, d). Names:
+(1, X, seq, d). Grouped-query inputs (k and v with fewer heads than q, `Setup.grouped`) are passed on
+as SDPA's `enable_gqa`; the entries that cannot take them raise `Unsupported`. Names:
 
   naive            the assignment-1 materialized attention (`cs336_basics.model`), mask built once
   flash_pytorch    `FlashAttention2Pytorch` (tiled PyTorch forward, compiled recomputing backward)
   flash_triton     `FlashAttention2Triton`, the shipped kernel ("ours" in tables and plots)
+  flash_op         `cs336_systems.flash_attention`, the functional op around the same kernels (its
+                   cost over the class is Python: argument checks, the torch.func guard)
   flash_triton:V   the ablation variant V of `cs336_systems.flash_ablation.ABLATION_VARIANTS`
   flash_triton_gluon_kv
                    the shipped kernel with the keys-on-rows Gluon dK/dV pass wherever it applies
                    (`KernelOptions(gluon_kv=True, kv_qrows=False, deterministic=True)`: the two-pass
                    backward; the shipped kernel runs the queries-on-rows one on large calls)
+  sdpa             `F.scaled_dot_product_attention` with PyTorch's own choice of backend
   sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
                    `F.scaled_dot_product_attention` restricted to one backend
-  NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants, the SDPA backends)
-  NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton, the SDPA
-                   backends: the same-run yardstick for our op under CUDA graphs)
+  NAME_compiled    torch.compile(NAME) (naive, flash_triton and its variants, flash_op, the SDPA entries)
+  NAME_cudagraphs  torch.compile(NAME, mode="reduce-overhead"): CUDA graphs (flash_triton, flash_op, the
+                   SDPA entries: the same-run yardstick for our op under CUDA graphs)
 
 "flash" is an alias of flash_triton in every subcommand. `registry_name` is the argparse type of the
 options that take these names: an unknown one is a usage error before torch is imported, with the
 closest name and a pointer to the list (`python -m cs336_systems.bench.impls` prints it).
 
 `build(name, setup)` raises `Unsupported` (recorded as an "unsupported" row) where the combination
-cannot run: an SDPA backend without a kernel for the dtype / device, or torch.compile around our
-kernels under the Triton interpreter. The module imports torch only inside the builders.
+cannot run: an SDPA backend without a kernel for the dtype / device (or for grouped k and v), naive
+and flash_pytorch on grouped k and v, or torch.compile around our kernels under the Triton interpreter.
+The module imports torch only inside the builders.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +56,8 @@ ALIASES = {"flash": SHIPPED}  # our kernel's old name
 LISTING = "python -m cs336_systems.bench.impls"  # prints every name
 ABLATION_SOURCE = Path(__file__).resolve().parents[1] / "flash_ablation.py"
 COMPILE_SUFFIXES = {"_compiled": "default", "_cudagraphs": "reduce-overhead"}
-SDPA_BACKENDS = {  # impl -> (torch.nn.attention.SDPBackend member, dtypes it accepts on CUDA)
+SDPA_BACKENDS = {  # impl -> (torch.nn.attention.SDPBackend member or None: no restriction, dtypes it accepts on CUDA)
+    "sdpa": (None, ("bf16", "fp16", "fp32")),
     "sdpa_flash": ("FLASH_ATTENTION", ("bf16", "fp16")),
     "sdpa_cudnn": ("CUDNN_ATTENTION", ("bf16", "fp16")),
     "sdpa_efficient": ("EFFICIENT_ATTENTION", ("bf16", "fp16", "fp32")),
@@ -67,6 +74,7 @@ class Setup:
     dtype: str  # fp32 / bf16 / fp16
     seq_len: int  # the naive mask is built once for this length
     compile_backend: str = "inductor"
+    grouped: bool = False  # k and v have fewer heads than q (grouped-query attention, SDPA's enable_gqa)
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,23 @@ class Impl:
     compile_modes: tuple[str, ...] = ()  # the COMPILE_SUFFIXES this base name takes
 
 
+def _refuse_grouped(name: str, setup: Setup) -> None:
+    if setup.grouped:
+        raise Unsupported(f"{name} takes no grouped-query k and v (fewer heads than q)")
+
+
+def _apply(function: type, setup: Setup) -> Attention:
+    """An autograd.Function's apply; for grouped k and v a call that passes enable_gqa (apply takes
+    positional arguments only: scale None is the default 1/sqrt(d))."""
+    if not setup.grouped:
+        return function.apply
+    return lambda q, k, v, is_causal: function.apply(q, k, v, is_causal, None, True)
+
+
 def _naive(setup: Setup) -> Attention:
     import cs336_basics.model as basics_model
+
+    _refuse_grouped("naive", setup)
 
     attention = basics_model.scaled_dot_product_attention  # looked up now: a model may swap the global later
     mask = basics_model.causal_mask(setup.seq_len, setup.seq_len, device=setup.device)
@@ -92,13 +115,20 @@ def _naive(setup: Setup) -> Attention:
 def _flash_pytorch(setup: Setup) -> Attention:
     from cs336_systems.flash_pytorch import FlashAttention2Pytorch
 
+    _refuse_grouped("flash_pytorch", setup)
     return FlashAttention2Pytorch.apply
 
 
 def _flash_triton(setup: Setup) -> Attention:
     from cs336_systems.flash_triton import FlashAttention2Triton
 
-    return FlashAttention2Triton.apply
+    return _apply(FlashAttention2Triton, setup)
+
+
+def _flash_op(setup: Setup) -> Attention:
+    from cs336_systems.flash_triton import flash_attention
+
+    return functools.partial(flash_attention, enable_gqa=True) if setup.grouped else flash_attention
 
 
 @functools.cache
@@ -110,14 +140,14 @@ def _flash_triton_gluon_kv_class():
 
 
 def _flash_triton_gluon_kv(setup: Setup) -> Attention:
-    return _flash_triton_gluon_kv_class().apply
+    return _apply(_flash_triton_gluon_kv_class(), setup)
 
 
 def _ablation(variant: str) -> Callable[[Setup], Attention]:
     def make(setup: Setup) -> Attention:
         from cs336_systems.flash_ablation import ABLATION_VARIANTS
 
-        return ABLATION_VARIANTS[variant].apply
+        return _apply(ABLATION_VARIANTS[variant], setup)
 
     return make
 
@@ -131,18 +161,19 @@ def _sdpa(impl: str) -> Callable[[Setup], Attention]:
 
         if setup.device.type == "cuda" and setup.dtype not in dtypes:
             raise Unsupported(f"{impl} does not support {setup.dtype}")
-        backend = getattr(SDPBackend, backend_name)
+        backend = getattr(SDPBackend, backend_name) if backend_name else None
 
         def sdpa(q, k, v, is_causal):
             squeeze = q.ndim == 3
             if squeeze:
                 q, k, v = q[None], k[None], v[None]
-            with sdpa_kernel(backend):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 try:
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=setup.grouped)
                 except RuntimeError as e:
                     if any(m in str(e) for m in NO_KERNEL_MESSAGES):
-                        raise Unsupported(f"{impl}: no kernel for {tuple(q.shape)} {q.dtype} on {q.device}") from e
+                        raise Unsupported(f"{impl}: no kernel for q {tuple(q.shape)}, k and v {tuple(k.shape)} "
+                                          f"{q.dtype} on {q.device}") from e
                     raise
             return o[0] if squeeze else o
 
@@ -157,6 +188,7 @@ BASE_IMPLS = {
         Impl("naive", _naive, compile_modes=("_compiled",)),
         Impl("flash_pytorch", _flash_pytorch),
         Impl(SHIPPED, _flash_triton, triton=True, compile_modes=("_compiled", "_cudagraphs")),
+        Impl("flash_op", _flash_op, triton=True, compile_modes=("_compiled", "_cudagraphs")),
         Impl("flash_triton_gluon_kv", _flash_triton_gluon_kv, triton=True),
         *(Impl(name, _sdpa(name), compile_modes=("_compiled", "_cudagraphs")) for name in SDPA_BACKENDS),
     )

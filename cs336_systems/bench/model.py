@@ -1,6 +1,7 @@
 """benchmarking_script / torch_compile(b): end-to-end BasicsTransformerLM timing and memory.
 
-Random weights and data (vocab 10,000, batch 4). For every model size x context length x attention
+Random weights and data (vocab 10,000, batch 4; `--tokens N` instead: batch N // context per context length,
+so that every context runs the same tokens per step). For every model size x context length x attention
 impl x {eager, compiled}: `--warmup` untimed steps, then `--steps` timed steps (device synchronized
 after each) of each mode:
   fwd      forward + loss
@@ -9,7 +10,8 @@ after each) of each mode:
   step     forward + loss + backward + AdamW step (zero_grad included)
 Rows record mean +- std ms, tokens/s and peak memory (max_memory_allocated since a reset, MiB). With
 `--attention NAME` the model's module-global `scaled_dot_product_attention` is swapped for the `impls`
-registry's NAME (e.g. flash_triton, our kernel; "flash" is kept as its old alias).
+registry's NAME (e.g. flash_triton, our kernel; "flash" is kept as its old alias; sdpa, PyTorch's
+F.scaled_dot_product_attention with its own choice of backend).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--sizes", full=list(SIZES), smoke=[SMOKE_SIZE], help="model sizes", nargs="+",
               choices=[*SIZES, SMOKE_SIZE])
     add_sized(p, "--context", full=[512], smoke=[32], help="context lengths", type=positive_int, nargs="+")
-    add_sized(p, "--batch", full=4, smoke=2, help="batch size", type=positive_int)
+    batch = p.add_mutually_exclusive_group()
+    add_sized(batch, "--batch", full=4, smoke=2, help="batch size", type=positive_int)
+    batch.add_argument("--tokens", type=positive_int, default=None,
+                       help="tokens per step instead of --batch: batch TOKENS // context per context length")
     add_sized(p, "--warmup", full=5, smoke=1, help="untimed warm-up steps per mode", type=nonnegative_int)
     add_sized(p, "--steps", full=10, smoke=2, help="timed steps per mode", type=positive_int)
     p.add_argument("--vocab", type=positive_int, default=10_000, help="vocabulary size")
@@ -74,6 +79,16 @@ def attention_impl(attn) -> Iterator[None]:
         basics_model.scaled_dot_product_attention = original
 
 
+def check(args: argparse.Namespace) -> None:
+    if args.tokens is not None and args.tokens < max(args.context):
+        raise ValueError(f"--tokens {args.tokens} is fewer than the context length {max(args.context)}: "
+                         "a step holds at least one sequence")
+
+
+def batch_size(args: argparse.Namespace, context: int) -> int:
+    return args.tokens // context if args.tokens is not None else args.batch
+
+
 def model_config(size: str):
     from cs336_basics.model import MODEL_CONFIGS, ModelConfig
 
@@ -104,9 +119,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     ]
     for size, ctx, attn_name, compiled in options.progress(combos, args, NAME):
         config = model_config(size)
+        batch = batch_size(args, ctx)
         fields = {
             mode: dict(
-                impl=attn_name, mode=mode, dtype=args.dtype, batch=args.batch, n_heads=config.num_heads,
+                impl=attn_name, mode=mode, dtype=args.dtype, batch=batch, n_heads=config.num_heads,
                 seq_len=ctx, d_head=config.d_model // config.num_heads, is_causal=True, model_size=size,
                 context_length=ctx, compiled=compiled, warmup_steps=args.warmup, steps=args.steps,
                 d_model=config.d_model, num_layers=config.num_layers,
@@ -136,8 +152,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 state.update(
                     model=model,
                     n_params=sum(p.numel() for p in model.parameters()),
-                    x=torch.randint(0, args.vocab, (args.batch, ctx), device=device),
-                    y=torch.randint(0, args.vocab, (args.batch, ctx), device=device),
+                    x=torch.randint(0, args.vocab, (batch, ctx), device=device),
+                    y=torch.randint(0, args.vocab, (batch, ctx), device=device),
                 )
             return state
 
@@ -182,7 +198,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             return {
                 **stats,
                 "n_params": state["n_params"],
-                "tokens_per_s": args.batch * ctx / (stats["ms_mean"] * 1e-3),
+                "tokens_per_s": batch * ctx / (stats["ms_mean"] * 1e-3),
             }
 
         attn = impls.build(attn_name, impls.Setup(device, args.dtype, ctx, backend))

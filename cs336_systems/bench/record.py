@@ -50,6 +50,7 @@ KEY_FIELDS = (
     "dtype",
     "batch",
     "n_heads",
+    "n_kv_heads",
     "seq_len",
     "d_head",
     "is_causal",

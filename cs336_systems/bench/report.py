@@ -34,6 +34,8 @@ IMPL_STYLE = {  # name -> (label in tables and legends, colour): the same in eve
     "flash_triton": ("ours", "#1f77b4"),
     "flash_triton_compiled": ("ours (compiled)", "#17becf"),
     "flash_triton_cudagraphs": ("ours (CUDA graphs)", "#aec7e8"),
+    "flash_op": ("ours (flash_attention op)", "#08519c"),
+    "sdpa": ("SDPA (PyTorch's choice)", "#ffbb78"),
     "sdpa_flash": ("SDPA flash (FA2)", "#ff7f0e"),
     "sdpa_cudnn": ("SDPA cuDNN", "#2ca02c"),
     "sdpa_efficient": ("SDPA mem-efficient", "#d62728"),

@@ -71,6 +71,8 @@ def test_requires_gpu_without_smoke(monkeypatch, tmp_path, capsys):
     ["attention", "--no-eager"],
     ["model", "--context", "0"],
     ["model", "--attention", "nosuch"],
+    ["model", "--tokens", "16", "--context", "32"],
+    ["model", "--tokens", "64", "--batch", "2"],
     ["memory", "--context", "0"],
     ["memory", "--dtype", "fp16"],
     ["flash", "--rep-ms", "-5"],

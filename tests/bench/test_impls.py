@@ -27,13 +27,14 @@ def test_names_cover_every_family():
 
     names = impls.names()
     assert {"naive", "naive_compiled", "flash_pytorch", "flash_triton", "flash_triton_compiled",
-            "flash_triton_cudagraphs", *impls.SDPA_BACKENDS, "sdpa_flash_compiled", "sdpa_flash_cudagraphs"} <= set(names)
+            "flash_triton_cudagraphs", "flash_op", "flash_op_compiled", "flash_op_cudagraphs", "sdpa",
+            *impls.SDPA_BACKENDS, "sdpa_flash_compiled", "sdpa_flash_cudagraphs"} <= set(names)
     assert {f"flash_triton:{v}" for v in ABLATION_VARIANTS} <= set(names)
     assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("name", ["naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_math",
-                                  "sdpa_efficient", "sdpa_math_compiled"])
+@pytest.mark.parametrize("name", ["naive", "naive_compiled", "flash_pytorch", "flash_triton", "flash_op", "sdpa",
+                                  "sdpa_math", "sdpa_efficient", "sdpa_math_compiled"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_every_eager_entry_computes_attention(name, is_causal):
     torch.manual_seed(0)
@@ -51,6 +52,33 @@ def test_every_ablation_variant_computes_attention():
     for variant in impls.ablation_variants():
         o = impls.build(f"flash_triton:{variant}", CPU)(q, k, v, True)
         torch.testing.assert_close(o, reference(q, k, v, True), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["flash_triton", "flash_op", "flash_triton_gluon_kv", "sdpa", "sdpa_math",
+                                  f"{impls.ABLATION_PREFIX}{impls.ablation_variants()[-2]}"])
+def test_grouped_entries_compute_grouped_query_attention(name):
+    """Setup.grouped: k and v with fewer heads than q, each serving H / Hkv query heads (SDPA's enable_gqa)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 32, 16)
+    k, v = (torch.randn(1, 2, 32, 16) for _ in range(2))
+    o = impls.build(name, impls.Setup(torch.device("cpu"), "fp32", seq_len=32, grouped=True))(q, k, v, True)
+    expected = reference(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), True)
+    torch.testing.assert_close(o, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["naive", "flash_pytorch"])
+def test_entries_without_grouped_query_attention_are_unsupported(name):
+    with pytest.raises(Unsupported, match="grouped"):
+        impls.build(name, impls.Setup(torch.device("cpu"), "fp32", seq_len=32, grouped=True))
+
+
+def test_the_functional_op_is_not_the_class():
+    """flash_op times `cs336_systems.flash_attention` itself; flash_triton the autograd.Function's apply."""
+    import cs336_systems
+    from cs336_systems.flash_triton import FlashAttention2Triton
+
+    assert impls.build("flash_op", CPU) is cs336_systems.flash_attention
+    assert impls.build("flash_triton", CPU) == FlashAttention2Triton.apply
 
 
 def test_ablation_names_read_without_torch_are_the_variants():

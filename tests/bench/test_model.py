@@ -50,3 +50,26 @@ def test_smoke_model_swapped_attention(tmp_path):
     compiled_ours = "ok" if torch.cuda.is_available() else "unsupported"  # no dynamo over the interpreter
     assert status == {("flash_triton", False): "ok", ("flash_triton", True): compiled_ours,
                       ("sdpa_math", False): "ok", ("sdpa_math", True): "ok"}
+
+
+def test_sdpa_in_the_model_is_the_models_causal_attention():
+    """`--attention sdpa` (PyTorch's backend choice) gives the model the logits of its own masked attention."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.bench import impls
+    from cs336_systems.bench.model import attention_impl, model_config
+
+    torch.manual_seed(0)
+    model = BasicsTransformerLM.from_config(model_config("smoke"), vocab_size=100, context_length=32)
+    x = torch.randint(0, 100, (2, 32))
+    expected = model(x)
+    with attention_impl(impls.build("sdpa", impls.Setup(torch.device("cpu"), "fp32", seq_len=32))):
+        torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_smoke_model_fixed_tokens_per_step(tmp_path):
+    """--tokens N: batch N // context per context length, the same tokens per step at every context."""
+    assert run_cli("model", "--smoke", "--context", "16", "32", "--tokens", "64", "--attention", "flash", "sdpa",
+                   "--compile", "eager", "--modes", "fwd_bwd", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "model")
+    assert {(r["impl"], r["context_length"], r["batch"], r["status"]) for r in rows} == {
+        (impl, ctx, 64 // ctx, "ok") for impl in ("flash_triton", "sdpa") for ctx in (16, 32)}
