@@ -353,7 +353,7 @@ def test_flash_deterministic_flag_picks_the_backward(monkeypatch, flag, torch_de
 
     seen = []
 
-    def backward(do, q, k, v, o, lse, is_causal, scale, opts):
+    def backward(do, q, k, v, o, lse, is_causal, scale, opts, window):
         seen.append(opts.deterministic)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
