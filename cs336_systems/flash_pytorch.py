@@ -11,6 +11,10 @@ the first call and recompile per shape, for a function of a few large matmuls th
 already runs at SDPA's speed. It also serves the Triton op's fallback on a CPU without the
 interpreter. Causally hidden scores are excluded exactly (-inf), as SDPA does. The backward is not
 itself differentiable (double backward raises).
+
+Both take an optional sliding-window `band` (left, right) as `chooser.band` gives it: query i sees keys
+[i - left, i + right]; key tiles outside the band are skipped, those its edges cut are masked, and a row that
+sees no key gets O = 0, L = -inf and zero gradients.
 """
 
 from __future__ import annotations
@@ -46,9 +50,30 @@ def _mask_above_diagonal(s: torch.Tensor, q_start: int, k_start: int) -> None:
     diagonal.add_(_above_diagonal(diagonal.shape[-2], diagonal.shape[-1], s.device))
 
 
+def _band_keys(band: tuple[int, int] | None, first: int, last: int, n_k: int) -> tuple[int, int]:
+    """[lo, hi): the keys that queries first..last see under the band (all of them without one)."""
+    if band is None:
+        return 0, n_k
+    left, right = band
+    return min(max(first - left, 0), n_k), min(max(last + right + 1, 0), n_k)
+
+
+def _mask_outside_band(s: torch.Tensor, band: tuple[int, int], q_start: int, k_start: int) -> torch.Tensor:
+    """s (..., Bq, Bk) (queries from q_start, keys from k_start) with -inf where the key is outside the query's
+    window; s itself where the band cuts no score of it."""
+    rows, cols = s.shape[-2:]
+    left, right = band
+    if k_start >= q_start + rows - 1 - left and k_start + cols - 1 <= q_start + right:
+        return s
+    i = torch.arange(q_start, q_start + rows, device=s.device)[:, None]
+    j = torch.arange(k_start, k_start + cols, device=s.device)[None, :]
+    return s.masked_fill((j < i - left) | (j > i + right), float("-inf"))
+
+
 def flash_forward_tiled(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool,
     q_tile: int = Q_TILE_SIZE, k_tile: int = K_TILE_SIZE, scale: float | None = None,
+    band: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward. Q (..., Nq, D), K/V (..., Nk, D) -> O (..., Nq, D) in Q's dtype, L (..., Nq) fp32.
     Scores are kept in base 2 (the scale times log2 e folded into the query tile; exp2 is several times cheaper
@@ -64,19 +89,28 @@ def flash_forward_tiled(
         m = torch.full(q.shape[:-1], float("-inf"), device=Q.device)    # (..., Bq) running max, base 2
         l = torch.zeros(q.shape[:-1], device=Q.device)                  # (..., Bq)
         acc = torch.zeros_like(q)                                       # (..., Bq, D)
-        k_stop = min(n_k, q_start + bq) if is_causal else n_k           # tiles past the diagonal are skipped
-        for k_start in range(0, k_stop, k_tile):
+        k_lo, k_stop = _band_keys(band, q_start, q_start + bq - 1, n_k)
+        if is_causal:
+            k_stop = min(k_stop, q_start + bq)                          # tiles past the diagonal are skipped
+        for k_start in range(k_lo, k_stop, k_tile):
             k = K[..., k_start:k_start + k_tile, :].float()             # (..., Bk, D)
             v = V[..., k_start:k_start + k_tile, :].float()
             s = q @ k.transpose(-1, -2)                                 # (..., Bq, Bk)
             if is_causal:
                 _mask_above_diagonal(s, q_start, k_start)
+            if band is not None:
+                s = _mask_outside_band(s, band, q_start, k_start)
             m_new = torch.maximum(m, s.amax(dim=-1))
-            p = s.sub_(m_new[..., None]).exp2_()                        # (..., Bq, Bk), in place of s
-            alpha = torch.exp2(m - m_new)
+            m_use = m_new
+            if band is not None:  # a row that sees no key yet keeps m = -inf; its exponentials are then 0, not NaN
+                m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = s.sub_(m_use[..., None]).exp2_()                        # (..., Bq, Bk), in place of s
+            alpha = torch.exp2(m - m_use)
             l = alpha * l + p.sum(dim=-1)
             acc = acc.mul_(alpha[..., None]).add_(p.to(V.dtype).float() @ v)
             m = m_new
+        if band is not None:  # a row whose window holds no key: O = 0, L = -inf
+            l = l.masked_fill(l == 0, 1.0)
         O[..., q_start:q_start + bq, :] = (acc / l[..., None]).to(Q.dtype)
         L[..., q_start:q_start + bq] = (m + torch.log2(l)) * LN2
     return O, L
@@ -90,7 +124,7 @@ BACKWARD_ROWS = 64
 def flash_backward(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor,
     L: torch.Tensor, is_causal: bool, scale: float | None = None, rows: int | None = BACKWARD_ROWS,
-    grad_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None, band: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward by recomputation (handout eqs. 13-19) in fp32, a block of `rows` queries at a time (None: all at
     once, as compiled). Gradients in the inputs' dtypes, or in `grad_dtype` (fp32 for a caller that sums them
@@ -103,26 +137,33 @@ def flash_backward(
     dV = torch.zeros(V.shape, device=V.device, dtype=torch.float32)
     blocks = [(0, n_q)] if rows is None else [(start, min(n_q, start + rows)) for start in range(0, n_q, rows)]
     for start, stop in blocks:
-        keys = min(n_k, stop) if is_causal else n_k                     # keys past the block's last row: hidden
+        first, keys = _band_keys(band, start, stop - 1, n_k)
+        if is_causal:
+            keys = min(keys, stop)                                      # keys past the block's last row: hidden
+        first = min(first, keys)
         q = Q[..., start:stop, :].float() * scale                       # (the scale folded in: dK takes it too)
         do = dO[..., start:stop, :].float()
-        kb, vb = k[..., :keys, :], v[..., :keys, :]
+        kb, vb = k[..., first:keys, :], v[..., first:keys, :]
         S = (q * LOG2E) @ kb.transpose(-1, -2)                          # (..., rows, keys), base 2
         if is_causal:
-            _mask_above_diagonal(S, start, 0)
-        P = S.sub_(L[..., start:stop, None] * LOG2E).exp2_()
+            _mask_above_diagonal(S, start, first)
+        lse = L[..., start:stop, None]
+        if band is not None:  # a row that sees no key has L = -inf: 0 instead, so that its P is 0, not NaN
+            S = _mask_outside_band(S, band, start, first)
+            lse = lse.masked_fill(lse == float("-inf"), 0.0)
+        P = S.sub_(lse * LOG2E).exp2_()
         D = (do * O[..., start:stop, :].float()).sum(dim=-1, keepdim=True)
-        dV[..., :keys, :] += P.transpose(-1, -2) @ do
+        dV[..., first:keys, :] += P.transpose(-1, -2) @ do
         dS = (do @ vb.transpose(-1, -2)).sub_(D).mul_(P)
         dQ[..., start:stop, :] = (dS @ kb).mul_(scale)
-        dK[..., :keys, :] += dS.transpose(-1, -2) @ q
+        dK[..., first:keys, :] += dS.transpose(-1, -2) @ q
     if grad_dtype is not None:
         return dQ.to(grad_dtype), dK.to(grad_dtype), dV.to(grad_dtype)
     return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype)
 
 
-def _whole_backward(Q, K, V, O, dO, L, is_causal, scale=None, grad_dtype=None):
-    return flash_backward(Q, K, V, O, dO, L, is_causal, scale, None, grad_dtype)
+def _whole_backward(Q, K, V, O, dO, L, is_causal, scale=None, grad_dtype=None, band=None):
+    return flash_backward(Q, K, V, O, dO, L, is_causal, scale, None, grad_dtype, band)
 
 
 @functools.cache

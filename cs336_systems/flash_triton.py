@@ -1,7 +1,7 @@
 """FlashAttention-2 in Triton: the public names. The code lives in `cs336_systems.flash`, split by role.
 
-`flash_attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, deterministic=None)` is the
-SDPA-style op; `FlashAttention2Triton` is the course's autograd.Function. Set TRITON_INTERPRET=1 before
+`flash_attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, deterministic=None, window=(-1, -1))`
+is the SDPA-style op; `FlashAttention2Triton` is the course's autograd.Function. Set TRITON_INTERPRET=1 before
 importing this module to run the kernels on the CPU through Triton's interpreter.
 """
 

@@ -33,6 +33,18 @@ def check_scale(scale: object, d: int) -> float:
     return scale
 
 
+def check_window(window: object) -> tuple[int, int]:
+    """A sliding window (left, right): two ints, each -1 (unbounded) or more; returned as a tuple of ints."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) tuple of two ints, got {window!r}")
+    for name, side in zip(("left", "right"), window):
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window {name} must be an int, got {type(side).__name__}")
+        if side < -1:
+            raise ValueError(f"window {name} must be -1 (unbounded) or at least 0, got {side}")
+    return int(window[0]), int(window[1])
+
+
 def check_attention_inputs(q: object, k: object, v: object, is_causal: object, enable_gqa: object = False) -> bool:
     """Check q (..., Nq, D), k (..., Nk, D), v (..., Nk, D) and the flags; return is_causal as a bool.
 

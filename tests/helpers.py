@@ -22,6 +22,33 @@ def reference_attention(q, k, v, is_causal=False):
     return o, torch.logsumexp(s, dim=-1)
 
 
+def band_mask(n_q, n_k, window, is_causal=False, device=None):
+    """(n_q, n_k) bool: True where query i sees key j under window (left, right) (-1: unbounded), i - left <= j <=
+    i + right, and with is_causal also j <= i (top-left aligned)."""
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    left, right = window
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if is_causal:
+        keep &= j <= i
+    return keep
+
+
+def band_reference(q, k, v, is_causal, window):
+    """Attention materialized in q's dtype with an explicit band mask (scores -inf outside it); a row whose window
+    holds no key gives 0 (SDPA would give NaN). k, v with fewer heads than q are repeated (GQA)."""
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~band_mask(q.shape[-2], k.shape[-2], window, is_causal, q.device), float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
 def randn_cuda(*shape, seed, dtype=torch.bfloat16):
     """A standard-normal CUDA tensor of `shape`, drawn in fp32 from its own generator and cast."""
     gen = torch.Generator(device="cuda").manual_seed(seed)

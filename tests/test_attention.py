@@ -12,9 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
+
+from cs336_systems.flash import triton_kernels
 
 from .adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
-from .helpers import DEVICE, check_against_float64, make_inputs, max_err, reference_attention, rel_err, run
+from .helpers import (
+    DEVICE, band_reference, check_against_float64, make_inputs, max_err, reference_attention, rel_err, run,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +353,7 @@ def test_flash_deterministic_flag_picks_the_backward(monkeypatch, flag, torch_de
 
     seen = []
 
-    def backward(do, q, k, v, o, lse, is_causal, scale, opts):
+    def backward(do, q, k, v, o, lse, is_causal, scale, opts, window):
         seen.append(opts.deterministic)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
@@ -839,3 +845,175 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     assert len({launch.specialization(l.name, a, c) for l, a, c in plain}) == 4
     assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS  # nothing kept that a real call would reuse
     assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [15, 48, 1023, 1040]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window (`window=(left, right)`): against a float64 band-mask reference.
+# ---------------------------------------------------------------------------------------------
+
+WINDOWS = [(0, 0), (3, 0), (5, 7), (-1, 4), (2, -1), (300, 400)]  # the last wider than every sequence here
+WINDOW_SHAPES = [pytest.param((1, 50, 37, 16), id="50x37"), pytest.param((1, 37, 50, 16), id="37x50")]
+
+
+def _window_matches_float64(shape, is_causal, window, dtype, rule, **keywords):
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k, v, do = make_inputs(shape, dtype, DEVICE, seed=70)
+    ours = run(lambda *a: flash_attention(*a, window=window, **keywords), q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, rule,
+                          reference=lambda *a: band_reference(*a, window))
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+def test_flash_window_matches_float64(shape, is_causal, window):
+    """Ragged Nq != Nk (rows past the keys see none under a short window: O 0, zero gradients)."""
+    _window_matches_float64(shape, is_causal, window, torch.float32, FP32_RULE)
+
+
+@pytest.mark.parametrize("window", [(5, 7), (-1, 4)], ids=str)
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_attention_window_bf16_meets_2x_rule(is_causal, window):
+    _window_matches_float64((1, 70, 70, 32), is_causal, window, torch.bfloat16, ("x_torch", 2.0))
+
+
+@pytest.mark.parametrize("window", [(3, 0), (5, 7)], ids=str)
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_attention_window_atomic_backward_matches_float64(is_causal, window):
+    """deterministic=False: the single pass (dQ by atomics) over the band's tiles."""
+    _window_matches_float64((1, 50, 37, 16), is_causal, window, torch.float32, FP32_RULE, deterministic=False)
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_attention_window_with_gqa_matches_float64(is_causal):
+    from cs336_systems.flash_triton import flash_attention
+
+    gen = torch.Generator().manual_seed(71)
+    q, do = (torch.randn(1, 4, 45, 16, generator=gen).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(1, 2, 39, 16, generator=gen).to(DEVICE) for _ in range(2))
+    ours = run(lambda *a: flash_attention(*a, enable_gqa=True, window=(6, 2)), q, k, v, do, is_causal)
+    check_against_float64(ours, q, k, v, do, is_causal, FP32_RULE,
+                          reference=lambda *a: band_reference(*a, (6, 2)))
+
+
+def test_flash_window_rows_without_keys_give_zeros_and_minus_inf_lse():
+    """Queries past the keys under a window (0, 0): O = 0, L = -inf, zero dQ; no NaN anywhere."""
+    from cs336_systems.flash_triton import flash_attention, flash_forward_triton
+
+    q, k, v, do = make_inputs((1, 40, 20, 16), torch.float32, DEVICE, seed=72)
+    o, lse = flash_forward_triton(q, k, v, False, window=(0, 0))
+    assert torch.equal(o[:, 20:], torch.zeros_like(o[:, 20:]))
+    assert torch.isneginf(lse[:, 20:]).all() and torch.isfinite(lse[:, :20]).all()
+    _, dq, dk, dv = run(lambda *a: flash_attention(*a, window=(0, 0)), q, k, v, do)
+    assert torch.equal(dq[:, 20:], torch.zeros_like(dq[:, 20:])) and torch.isfinite(dk).all()
+
+
+def test_flash_window_plans_key_on_the_window():
+    """Calls of one shape with different windows (and none) each get their own result."""
+    from cs336_systems.flash_triton import flash_attention
+
+    q, k, v, _ = make_inputs((1, 40, 40, 16), torch.float32, DEVICE, seed=73)
+    for window in [(2, 2), (9, 0), (-1, -1), (2, 2)]:
+        ours = flash_attention(q, k, v, window=window)
+        assert max_err(ours, band_reference(q.double(), k.double(), v.double(), False, window)) <= 1e-4, window
+
+
+@pytest.mark.parametrize("window,error,words", [
+    ((-2, 0), ValueError, "left"), ((0, -5), ValueError, "right"), ((1,), TypeError, "two ints"),
+    ([1, 2, 3], TypeError, "two ints"), ((1.5, 2), TypeError, "left must be an int"),
+    ((True, 0), TypeError, "left must be an int"), (None, TypeError, "two ints"), (3, TypeError, "two ints"),
+], ids=["left-2", "right-5", "one", "three", "float", "bool", "none", "int"])
+def test_flash_bad_window_raises(window, error, words):
+    from cs336_systems.flash_triton import flash_attention
+
+    q = torch.randn(1, 8, 16, device=DEVICE)
+    with pytest.raises(error, match=words):
+        flash_attention(q, q, q, window=window)
+
+
+def test_flash_window_cpu_fallback_matches_float64(monkeypatch):
+    """The CPU without the interpreter (the tiled PyTorch forward and backward): ragged tiles, Nq != Nk."""
+    import cs336_systems.flash.launch as launch
+    from cs336_systems.flash_triton import flash_attention
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    q, k, v, do = make_inputs((2, 150, 700, 16), torch.float32, "cpu", seed=74)
+    for is_causal in (False, True):
+        for window in [(0, 0), (40, 3), (-1, 600), (3, -1), (900, 900)]:
+            ours = run(lambda *a: flash_attention(*a, window=window), q, k, v, do, is_causal)
+            check_against_float64(ours, q, k, v, do, is_causal, FP32_RULE,
+                                  reference=lambda *a: band_reference(*a, window))
+
+
+@pytest.mark.parametrize("window", [(0, 0), (5, 2), (-1, 3), (20, -1)], ids=str)
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_attention_window_tiled_pytorch_small_tiles(is_causal, window):
+    """The tiled PyTorch forward at 8 x 8 tiles (many skipped and cut) and the blocked backward, on its band."""
+    from cs336_systems.flash import chooser
+    from cs336_systems.flash_pytorch import flash_backward, flash_forward_tiled
+
+    q, k, v, do = make_inputs((1, 45, 37, 16), torch.float32, "cpu", seed=75)
+    band = chooser.band(window, is_causal, 45, 37)
+    o, lse = flash_forward_tiled(q, k, v, is_causal, 8, 8, band=band)
+    grads = flash_backward(q, k, v, o, do, lse, is_causal, rows=8, band=band)
+    check_against_float64((o, *grads), q, k, v, do, is_causal, FP32_RULE,
+                          reference=lambda *a: band_reference(*a, window))
+
+
+def _visible(n_rows, n_cols, before, after):
+    """(n_rows, n_cols) bool: row r sees column c iff r - before <= c <= r + after."""
+    r = np.arange(n_rows)[:, None]
+    c = np.arange(n_cols)[None, :]
+    return (c >= r - before) & (c <= r + after)
+
+
+@triton.jit
+def _band_probe(out, N_ROWS, N_COLS, BEFORE, AFTER, ROW_TILE: tl.constexpr, COL_TILE: tl.constexpr,
+                WHOLE_COLS: tl.constexpr):
+    """Stores each row tile's `_band_ranges` (start, full_start, full_stop, stop)."""
+    t = tl.program_id(0)
+    start, full_start, full_stop, stop = triton_kernels._band_ranges(t * ROW_TILE, N_ROWS, N_COLS, BEFORE, AFTER,
+                                                                     ROW_TILE, COL_TILE, WHOLE_COLS)
+    tl.store(out + 4 * t, start)
+    tl.store(out + 4 * t + 1, full_start)
+    tl.store(out + 4 * t + 2, full_stop)
+    tl.store(out + 4 * t + 3, stop)
+
+
+def test_attention_band_ranges_visit_exactly_the_tiles_the_band_meets():
+    """The kernels' loop bounds (`_band_ranges`, run through the interpreter in a probe kernel): per row tile, the
+    column tiles visited are exactly those holding a pair the band shows (the others are skipped, never masked),
+    and the unmasked ones exactly those wholly inside it (for the forward, also not ragged)."""
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        n_rows, n_cols = (int(n) for n in rng.integers(1, 90, 2))
+        before, after = (int(n) for n in rng.integers(0, 40, 2))
+        row_tile, col_tile = (int(t) for t in rng.choice([8, 16], 2))
+        whole = bool(rng.integers(2))
+        tiles = -(-n_rows // row_tile)
+        out = torch.zeros(tiles, 4, dtype=torch.int32)
+        _band_probe[(tiles,)](out, n_rows, n_cols, before, after, row_tile, col_tile, whole)
+        seen = _visible(n_rows, n_cols, before, after)
+        for t, (start, full_start, full_stop, stop) in enumerate(out.tolist()):
+            rows = seen[t * row_tile:(t + 1) * row_tile]
+            visited = set(range(start, stop, col_tile)) if start < stop else set()
+            unmasked = set(range(full_start, full_stop, col_tile))
+            meets = {c0 for c0 in range(0, n_cols, col_tile) if rows[:, c0:c0 + col_tile].any()}
+            inside = {c0 for c0 in range(0, n_cols, col_tile)
+                      if _visible(n_rows, c0 + col_tile, before, after)[t * row_tile:(t + 1) * row_tile, c0:].all()
+                      and not (whole and c0 + col_tile > n_cols)}
+            case = (n_rows, n_cols, before, after, row_tile, col_tile, whole, t)
+            assert visited == meets, case
+            assert unmasked == inside and unmasked <= visited, case
+            assert start <= full_start <= full_stop <= max(stop, start), case
+
+
+def test_attention_band_keys_of_the_cpu_fallback():
+    """The tiled PyTorch path's key range per query block: the band's keys only (all of them without one)."""
+    from cs336_systems.flash_pytorch import _band_keys
+
+    assert _band_keys(None, 10, 19, 50) == (0, 50)
+    assert _band_keys((3, 2), 10, 19, 50) == (7, 22)
+    assert _band_keys((3, 2), 60, 69, 50) == (50, 50)  # past the keys: none
+    assert _band_keys((0, 0), 0, 7, 4) == (0, 4)

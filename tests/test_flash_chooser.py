@@ -67,6 +67,39 @@ def test_flash_chooser_inlines_only_short_unsplit_gpu_calls(facts, expected):
     assert chooser.inlined(call(**facts)) is expected
 
 
+SHORT_GRID = dict(batch=1, heads=1, n_q=32768, n_k=32768)
+
+
+@pytest.mark.parametrize("opts", [{}, {"gluon_fwd": True, "gluon_kv": True}, {"split_rows": 256}],
+                         ids=["default", "gluon-forced", "split-forced"])
+@pytest.mark.parametrize("sizes", [SMALL, LARGE, SHORT_GRID], ids=["small", "large", "short-grid"])
+def test_flash_chooser_routes_windowed_calls_to_unsplit_triton(sizes, opts):
+    """The Gluon kernels have no window, and a band bounds every reduction: Triton, unsplit, never inlined."""
+    windowed = call(sizes=sizes, window=True)
+    assert chooser.forward_design(windowed, KernelOptions(**opts)) == (Forward.TRITON, 0)
+    two_pass = chooser.backward_design(windowed, KernelOptions(**opts))
+    assert two_pass == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
+    atomic = chooser.backward_design(windowed, KernelOptions(deterministic=False, **opts))
+    assert atomic == chooser.BackwardChoice(Backward.TRITON_SINGLE)
+    assert not chooser.inlined(windowed)
+
+
+@pytest.mark.parametrize("window,is_causal,n_q,n_k,expected", [
+    ((-1, -1), False, 64, 64, None),
+    ((-1, -1), True, 64, 64, None),
+    ((-1, 5), True, 64, 64, None),          # causal already hides every key right of the query
+    ((63, 63), False, 64, 64, None),        # wider than the sequence
+    ((62, -1), False, 64, 64, (62, 64)),
+    ((-1, 62), False, 64, 64, (64, 62)),
+    ((3, 7), True, 64, 64, (3, 0)),         # causal folded into the right bound
+    ((3, 7), False, 20, 100, (3, 7)),
+    ((0, 0), False, 100, 20, (0, 0)),
+    ((10**9, 2), False, 30, 40, (30, 2)),   # an unbounded side as the lengths (kernel ints stay small)
+], ids=str)
+def test_flash_chooser_band(window, is_causal, n_q, n_k, expected):
+    assert chooser.band(window, is_causal, n_q, n_k) == expected
+
+
 def test_flash_tuning_buckets_are_powers_of_two_within_bounds():
     assert tuning.length_bucket(1, 1) == tuning.MIN_BUCKET
     assert tuning.length_bucket(1536, 777) == 2048 == tuning.length_bucket(2048, 100)

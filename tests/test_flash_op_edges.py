@@ -286,3 +286,37 @@ def test_flash_pytorch_path_sums_a_gqa_group_in_fp32(pytorch_path, is_causal):
     for name, x, ref in zip(("dK", "dV"), ours[2:], exact[2:]):
         err, rounding = ((t.double() - ref).abs().max().item() for t in (x, ref.bfloat16()))
         assert err <= 1.1 * rounding, f"{name}: {err:.3g} from float64, one bf16 rounding is {rounding:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A sliding window through the ops and torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flash_ops_take_a_window(cpu_path):
+    """The ops' window_left/window_right: fake and real outputs agree and opcheck passes (schema, fake, autograd)."""
+    q, k, v = _strided_qkv()
+    fwd_args = (q, k, v, False, 0.25, 3, 1)
+    o, lse = flash_attn_fwd(*fwd_args)
+    assert _layouts((o, lse)) == _fake_layouts(flash_attn_fwd, fwd_args)
+    do = torch.randn_like(o)
+    bwd_args = (do, q, k, v, o, lse, False, 0.25, True, 3, 1)
+    assert _layouts(flash_attn_bwd(*bwd_args)) == _fake_layouts(flash_attn_bwd, bwd_args)
+    torch.library.opcheck(flash_attn_fwd, fwd_args)
+    torch.library.opcheck(flash_attn_bwd, bwd_args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_flash_fullgraph_compile_with_a_window(pytorch_path, backend):
+    """torch.compile(fullgraph=True) over flash_attention with a window (causal and not): no graph break, the
+    eager results, forward and backward."""
+    q, k, v, do = _inputs(seed=11)
+    for is_causal, window in ((False, (4, 2)), (True, (5, -1))):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b, c: flash_attention(a, b, c, is_causal, window=window), backend=backend,
+                                 fullgraph=True)
+        ours = run(compiled, q, k, v, do)
+        eager = run(lambda *a: flash_attention(*a, is_causal, window=window), q, k, v, do)
+        for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, eager):
+            assert torch.equal(x, y), f"{name} with window {window}: compiled differs from eager"

@@ -39,7 +39,7 @@ LARGE_D_FWD = [] if INTERPRET else make_configs([(64, 64, 8, 2), (64, 32, 4, 2)]
 LARGE_D_KV = [] if INTERPRET else make_configs([(32, 64, 8, 2), (16, 64, 4, 2)])
 LARGE_D_DQ = [] if INTERPRET else make_configs([(64, 32, 8, 2), (64, 64, 8, 2)])
 _LARGE_D = {id(c) for c in (*LARGE_D_FWD, *LARGE_D_KV, *LARGE_D_DQ)}
-_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "KV_GROUP", "is_causal", "USE_TMA", "PRECISION"]
+_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "D", "KV_GROUP", "is_causal", "USE_TMA", "PRECISION", "HAS_WINDOW"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -109,13 +109,13 @@ class KernelSpec:
                 args.append(seq)
             elif name == "scale":
                 args.append(d ** -0.5)
-            elif name == "CHUNK":  # unused without SPLIT
+            elif name in ("CHUNK", "WINDOW_LEFT", "WINDOW_RIGHT"):  # unused without SPLIT, HAS_WINDOW
                 args.append(0)
             else:
                 raise ValueError(f"no example value for argument {name!r} of {self.name}")
         tma = not INTERPRET and torch.cuda.is_available() and chooser.tma_default(torch.cuda.current_device())
         constexprs = dict(D=d, D_TILE=padded_dim(d), is_causal=causal, SKIP_MASKED_TILES=True, USE_TMA=tma,
-                          PRECISION=chooser.precision(dtype), SPLIT=False, **dict(self.constexprs))
+                          PRECISION=chooser.precision(dtype), SPLIT=False, HAS_WINDOW=False, **dict(self.constexprs))
         return args, constexprs
 
 

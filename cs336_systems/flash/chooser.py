@@ -5,6 +5,7 @@ Routing (sm_90 = Hopper; "large" = batch·heads·Nq·Nk >= GLUON_MIN_WORK; "shor
   forward                                           | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward)
+  a sliding window (`band` not None)                | TRITON (unsplit; the Gluon kernels have no window)
   large, sm_90, 16-bit, d 64/128, layout Gluon takes| GLUON
   short grid (few heads × long sequences)           | TRITON_SPLIT (keys split, then merged)
   otherwise                                         | TRITON
@@ -12,13 +13,16 @@ Routing (sm_90 = Hopper; "large" = batch·heads·Nq·Nk >= GLUON_MIN_WORK; "shor
   backward                                          | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward)
+  a sliding window, deterministic False             | TRITON_SINGLE
+  a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic not True, large, Gluon single pass  | GLUON_SINGLE (dQ by TMA reductions)
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
   otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon where large and taken
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
 
 Under torch.compile a call that runs the Triton two-pass design unsplit, with no Gluon kernel, on CUDA with
-static sizes runs the flat entry kernels launched by Inductor itself (`inlined`).
+static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed call
+never splits: its reduction is bounded by the band, not by the sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).
@@ -37,6 +41,7 @@ from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 # batch·heads·Nq·Nk from which the forward and the dK/dV pass run in Gluon: a Gluon launch (host-side TMA
 # descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton
 GLUON_MIN_WORK = 1 << 30
+NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (`split_rows`)
 
@@ -115,6 +120,7 @@ class Call:
     gluon_fwd: bool      # the Gluon forward takes this call's layout (sm_90, 16-bit, d 64/128, ...)
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
+    window: bool = False  # a sliding window (`band` not None): the Triton kernels, unsplit
 
     @property
     def work(self) -> int:
@@ -156,6 +162,8 @@ def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int
 
 
 def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
+    if call.window:
+        return 0
     if opts.split_rows is not None:
         return opts.split_rows
     if not call.sms:  # the interpreter: only where a test asks for it
@@ -164,6 +172,8 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 
 def _gluon_wanted(flag: bool | None, call: Call) -> bool:
+    if call.window:
+        return False
     return call.work >= GLUON_MIN_WORK if flag is None else flag
 
 
@@ -195,9 +205,21 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
 def inlined(call: Call) -> bool:
     """Whether a traced call with the default options runs the flat two-pass kernels launched by Inductor:
     on a GPU, short of the Gluon kernels' work, no pass split."""
-    return (call.kernels and call.sms > 0 and call.work < GLUON_MIN_WORK
+    return (call.kernels and call.sms > 0 and call.work < GLUON_MIN_WORK and not call.window
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
+
+
+def band(window: tuple[int, int], is_causal: bool, n_q: int, n_k: int) -> tuple[int, int] | None:
+    """A window (left, right) (-1: unbounded) as the kernels take it: bounds (left, right) with query i seeing keys
+    [i - left, i + right], causal folded in (right 0) and unbounded sides as the lengths; None where the window
+    hides nothing that `is_causal` alone does not, so that the call runs the unwindowed kernels."""
+    left, right = window
+    hides_left = 0 <= left < n_q - 1   # the last query misses key 0
+    hides_right = 0 <= right < n_k - 1  # the first query misses the last key
+    if not hides_left and (is_causal or not hides_right):
+        return None
+    return (left if hides_left else n_q, 0 if is_causal else right if hides_right else n_k)
 
 
 def precision(dtype: torch.dtype) -> str:

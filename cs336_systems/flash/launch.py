@@ -18,7 +18,7 @@ import triton
 
 from cs336_systems.flash import autotune, chooser, gluon, triton_kernels as kernels, tuning
 from cs336_systems.flash.c_launch import CLaunch, scratch
-from cs336_systems.flash.chooser import DEFAULT_OPTIONS, Backward, Forward, KernelOptions
+from cs336_systems.flash.chooser import DEFAULT_OPTIONS, NO_WINDOW, Backward, Forward, KernelOptions
 from cs336_systems.flash.tuning import TileConfig, padded_dim
 from cs336_systems.flash_pytorch import backward_for, flash_forward_tiled
 
@@ -241,8 +241,8 @@ def _gluon_config(opts: KernelOptions, flag: bool | None, kernel: str):
 
 
 def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, opts: KernelOptions,
-               do4: torch.Tensor | None = None) -> chooser.Call:
-    """The chooser's view of a call on (B, H, S, D) tensors (with do4: of its backward)."""
+               do4: torch.Tensor | None = None, band: tuple[int, int] | None = None) -> chooser.Call:
+    """The chooser's view of a call on (B, H, S, D) tensors (with do4: of its backward; band: its window)."""
     batch, heads, n_q, d = q4.shape
     index = device_index(q4)
     runs = q4.is_cuda or INTERPRET
@@ -257,7 +257,8 @@ def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: boo
             do_read = q4 if (not tma_ok(do4) or do4.is_contiguous()) else do4  # dO as the two-pass passes load it
             gluon_kv = gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
     return chooser.Call(batch, heads, n_q, k4.shape[2], d, causal, runs,
-                        0 if index is None else chooser.sm_count(index), tma, gluon_fwd, gluon_single, gluon_kv)
+                        0 if index is None else chooser.sm_count(index), tma, gluon_fwd, gluon_single, gluon_kv,
+                        band is not None)
 
 
 class _PlannedLaunch:
@@ -323,16 +324,27 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+def call_band(q: torch.Tensor, k: torch.Tensor, is_causal: bool, window: tuple[int, int]) -> tuple[int, int] | None:
+    """The call's `chooser.band` (None at once for no window: the default path does no more work)."""
+    return None if window == NO_WINDOW else chooser.band(window, is_causal, q.shape[-2], k.shape[-2])
+
+
+def _window_args(band: tuple[int, int] | None) -> tuple[tuple[int, int], dict]:
+    """The kernels' (WINDOW_LEFT, WINDOW_RIGHT) arguments (unused zeros without a window) and HAS_WINDOW."""
+    return (band or (0, 0)), dict(HAS_WINDOW=band is not None)
+
+
 def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
 
 
-def plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOptions) -> tuple:
+def plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOptions,
+             band: tuple[int, int] | None = None) -> tuple:
     """What a plan is decided from: each tensor's shape, strides, dtype and 16-byte misalignment, is_causal, the
-    options; q's device, the fp32 matmul precision, whether launch hooks are installed, and last the current CUDA
+    window's band, the options; q's device, the fp32 matmul precision, whether launch hooks are installed, and last the current CUDA
     device, whose compiled kernels the plan's launches call."""
     q = tensors[0]
-    return (*map(_layout, tensors), is_causal, opts, q.device, chooser.precision(q.dtype), launch_hooks_installed(),
+    return (*map(_layout, tensors), is_causal, band, opts, q.device, chooser.precision(q.dtype), launch_hooks_installed(),
             torch.cuda.current_device() if q.is_cuda else None)
 
 
@@ -378,12 +390,12 @@ _FORWARD_PLANS: dict[tuple, ForwardPlan] = {}
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
-                 device: int | None) -> ForwardPlan:
+                 device: int | None, band: tuple[int, int] | None = None) -> ForwardPlan:
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     d_tile = padded_dim(d)
-    design, chunk = chooser.forward_design(call_facts(q4, k4, v4, is_causal, opts), opts)
+    design, chunk = chooser.forward_design(call_facts(q4, k4, v4, is_causal, opts, band=band), opts)
     lse_shape, reshape, default_scale = tuple(q.shape[:-1]), q.ndim > 4, d ** -0.5
     if design is Forward.GLUON:
         return ForwardPlan(design, lse_shape, reshape, default_scale,
@@ -397,11 +409,12 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     use_tma = tma_wanted(opts, q) and tma_ok(q4, k4, v4, out)
     launcher, config = tiled_launch("fwd", tile_config("fwd", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
                                     d_tile, use_tma)
+    window, has_window = _window_args(band)
     fwd = _PlannedLaunch(
         launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", chunks),
-        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k), (chunk,),
+        (q4.stride(), k4.stride(), v4.stride(), out.stride(), heads, heads // kv_heads, n_q, n_k), (chunk, *window),
         dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles, USE_TMA=use_tma,
-             PRECISION=chooser.precision(q.dtype), SPLIT=bool(chunk), **config), device)
+             PRECISION=chooser.precision(q.dtype), SPLIT=bool(chunk), **config, **has_window), device)
     combine = None
     if chunk:
         combine = _PlannedLaunch(_combine_launch, (batch * heads, -(-n_q // PREP_TILE), 1),
@@ -422,21 +435,24 @@ def _check_launchable(q: torch.Tensor) -> None:
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None, warm: list | None = None,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D)). warm: a
-    list that collects the Triton launches the call would make, launching none (`prewarm`)."""
+    list that collects the Triton launches the call would make, launching none (`prewarm`). window: a checked
+    (left, right) sliding window (`chooser.band`)."""
     _check_launchable(q)
-    key = plan_key((q, k, v), is_causal, opts)
+    band = call_band(q, k, is_causal, window)
+    key = plan_key((q, k, v), is_causal, opts, band)
     if _off_current_device(q, key):
         with torch.cuda.device(q.device):
-            return flash_forward_triton(q, k, v, is_causal, opts, scale, warm)
+            return flash_forward_triton(q, k, v, is_causal, opts, scale, warm, window)
     plan = _FORWARD_PLANS.get(key)
     first = warm is None and plan is None
     if warm is not None:
-        plan = plan_forward(q, k, v, is_causal, opts, key[-1])
+        plan = plan_forward(q, k, v, is_causal, opts, key[-1], band)
     elif first:
-        prewarm(q, k, v, is_causal, opts, key)
-        plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1])
+        prewarm(q, k, v, is_causal, opts, key, window)
+        plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1], band)
     o, lse = _run_forward(plan, q, k, v, is_causal, scale, warm)
     if first and not _wants_grad(q, k, v):
         _start_siblings(key)  # (a call with gradients to come starts them after its backward)
@@ -533,11 +549,12 @@ _BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}
 
 
 def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                  is_causal: bool, opts: KernelOptions, device: int | None) -> BackwardPlan:
+                  is_causal: bool, opts: KernelOptions, device: int | None,
+                  band: tuple[int, int] | None = None) -> BackwardPlan:
     q4, k4, v4, o4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), as_bhsd(do)
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    call = call_facts(q4, k4, v4, is_causal, opts, do4)
+    call = call_facts(q4, k4, v4, is_causal, opts, do4, band)
     choice = chooser.backward_design(call, opts)
     atomic, gluon_single = choice.atomic, choice.design is Backward.GLUON_SINGLE
     fused = opts.fused_prep and not atomic
@@ -561,8 +578,9 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         as_bhsd, (dq, dk, dv, do_read, do_tiles, dq_out, dk_out, dv_out))
     use_tma = call.tma and tma_ok(do_tiles, dk_out, dv_out, *(() if atomic else (dq_out,)))
     sizes = (heads, heads // kv_heads, n_q, n_k)  # (then the scale, which each call passes)
+    window, has_window = _window_args(band)
     common = dict(D=d, D_TILE=d_tile, is_causal=is_causal, SKIP_MASKED_TILES=opts.skip_masked_tiles,
-                  USE_TMA=use_tma, PRECISION=chooser.precision(q.dtype), DP_FIRST=opts.dp_first)
+                  USE_TMA=use_tma, PRECISION=chooser.precision(q.dtype), DP_FIRST=opts.dp_first, **has_window)
     n_prep = -(-n_q // PREP_TILE)
     prep = dq_pass = dq_sum = kv = gluon_kv = cast = None
     kv_sums = ()
@@ -575,7 +593,7 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         dq_pass = _PlannedLaunch(
             launcher, TilesGrid(batch * heads, n_q, "Q_TILE_SIZE", dq_chunks),
             (q4.stride(), k4.stride(), v4.stride(), do4.stride(), dq_out.stride(), o4.stride(), do_tiles.stride(),
-             *sizes), (dq_chunk,),
+             *sizes), (dq_chunk, *window),
             dict(**common, FUSED_PREP=fused, COPY_DO=copy_do and fused, SPLIT=bool(dq_chunk), **config), device)
         if dq_chunk:
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, device)
@@ -588,7 +606,7 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         kv = _PlannedLaunch(
             launcher, TilesGrid(batch * kv_heads, n_k, "K_TILE_SIZE", kv_chunks),
             (q4.stride(), k4.stride(), v4.stride(), do_tiles.stride(), dk_out.stride(), dv_out.stride(), *sizes),
-            (kv_chunk,), dict(**common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), **config), device)
+            (kv_chunk, *window), dict(**common, DQ_ATOMIC=atomic, SPLIT=bool(kv_chunk), **config), device)
     if kv_chunk:
         kv_sums = tuple(_planned_sum(out4, kv_chunks, kv_chunk, d, d_tile, is_causal, True, device)
                         for out4 in (dk4, dv4))
@@ -603,20 +621,21 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
-    warm: list | None = None,
+    warm: list | None = None, window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides). warm: a list that
-    collects the Triton launches the call would make, launching none (`prewarm`)."""
-    key = plan_key((q, k, v, o, lse, do), is_causal, opts)
+    collects the Triton launches the call would make, launching none (`prewarm`). window: the forward's."""
+    band = call_band(q, k, is_causal, window)
+    key = plan_key((q, k, v, o, lse, do), is_causal, opts, band)
     if _off_current_device(q, key):
         with torch.cuda.device(q.device):
-            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, warm)
+            return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, warm, window)
     plan = _BACKWARD_PLANS.get(key)
     if warm is not None:  # (a plan of its own: the first real call waits for the background compiles, then plans)
-        plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+        plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
     elif plan is None:
-        forward_key = plan_key((q, k, v), is_causal, opts)
-        plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1])
+        forward_key = plan_key((q, k, v), is_causal, opts, band)
+        plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
         grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
         _start_siblings(forward_key)  # after the first call's launches, which they would slow (GIL)
         return grads
@@ -696,20 +715,20 @@ def _sibling_length(n: int) -> int:
 
 
 def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
-             backward: bool) -> tuple[list, list]:
+             backward: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[list, list]:
     """The Triton launches a call on tensors of these layouts makes: its forward's, and with `backward` its
     backward's for dO as autograd hands it most often (contiguous) and as o.sum() hands it (an expand)."""
     forward: list = []
-    o, lse = flash_forward_triton(q, k, v, is_causal, opts, warm=forward)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts, warm=forward, window=window)
     launches: list = []
     if backward:  # (o.sum()'s dO expands a 0-dim tensor: every stride 0, which Triton specializes unlike 1)
         for do in (o, q.new_zeros(()).expand(q.shape)):
-            flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, warm=launches)
+            flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, warm=launches, window=window)
     return forward, launches
 
 
 def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
-            key: tuple) -> None:
+            key: tuple, window: tuple[int, int] = NO_WINDOW) -> None:
     """At the first forward of a signature, compile in background threads (Triton's compiler leaves the GIL for most
     of its work) what later calls will need, while the forward compiles its own kernel:
       - with gradients to come, its backward's kernels (for dO contiguous and as o.sum() expands it): each launch of
@@ -724,7 +743,7 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
         return
     grads = _wants_grad(q, k, v)
-    _, own = _collect(q, k, v, is_causal, opts, grads)  # (the forward compiles now, in this thread)
+    _, own = _collect(q, k, v, is_causal, opts, grads, window)  # (the forward compiles now, in this thread)
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))
 
@@ -746,7 +765,7 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
 
     def siblings() -> None:
         other_forward, other = _collect(*(torch.empty(s, device=device, dtype=dtype) for s in shapes), is_causal,
-                                        opts, grads)
+                                        opts, grads, window)
         submit(other_forward + other)
 
     _SIBLINGS[key] = siblings
@@ -779,23 +798,26 @@ def _group(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
 
 
-def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS):
+def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS,
+                      window: tuple[int, int] = NO_WINDOW):
     """(O, L): the Triton kernels, or on a CPU without the interpreter the tiled PyTorch forward."""
     if q.device.type == "cuda" or INTERPRET:
-        return flash_forward_triton(q, k, v, is_causal, opts, scale)
+        return flash_forward_triton(q, k, v, is_causal, opts, scale, window=window)
     group = _group(q, k)
     return flash_forward_tiled(q, _repeat_kv(k, group), _repeat_kv(v, group), is_causal, CPU_Q_TILE, CPU_K_TILE,
-                               scale=scale)
+                               scale=scale, band=call_band(q, k, is_causal, window))
 
 
-def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS):
+def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS,
+                       window: tuple[int, int] = NO_WINDOW):
     """(dQ, dK, dV): the Triton kernels, or the recomputing PyTorch backward (a CPU without the interpreter, or
     the ablation variant that keeps it). A GQA group's dK and dV are summed in fp32, then rounded once."""
     if opts.triton_backward and (q.device.type == "cuda" or INTERPRET):
-        return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale)
+        return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, window=window)
     group = _group(q, k)
     dq, dk, dv = backward_for(q.device)(q, _repeat_kv(k, group), _repeat_kv(v, group), o, do, lse, is_causal, scale,
-                                        grad_dtype=torch.float32 if group > 1 else None)
+                                        grad_dtype=torch.float32 if group > 1 else None,
+                                        band=call_band(q, k, is_causal, window))
     if group > 1:
         dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3).to(k.dtype)
         dv = dv.unflatten(-3, (v.shape[-3], group)).sum(-3).to(v.dtype)

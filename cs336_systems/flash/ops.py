@@ -5,7 +5,8 @@ The two ops are `triton_op`s: torch.compile traces their bodies, and where a cal
 alone, unsplit (`chooser.inlined`: a CUDA GPU, static sizes, short of the Gluon kernels' work), Inductor launches
 the flat entry kernels itself (`wrap_triton`), with no Python of ours in the compiled call. Every other call (the
 Gluon kernels, split passes, the single pass, symbolic sizes, the CPU) goes to an opaque custom op (`..._launch`)
-running the launchers; so does an eager call of the ops. No graph break either way; CUDA graphs capture both.
+running the launchers; so does an eager call of the ops, and a call with a sliding window (`window_left`,
+`window_right`; -1 unbounded). No graph break either way; CUDA graphs capture both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton
 
 from cs336_systems.flash import chooser
 from cs336_systems.flash.c_launch import scratch
-from cs336_systems.flash.chooser import DEFAULT_OPTIONS, OPTIONS, KernelOptions
+from cs336_systems.flash.chooser import DEFAULT_OPTIONS, NO_WINDOW, OPTIONS, KernelOptions
 from cs336_systems.flash.launch import (
     INTERPRET, TilesGrid, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like,
     tile_config, tma_strides_ok, tma_wanted,
@@ -23,7 +24,8 @@ from cs336_systems.flash.launch import (
 from cs336_systems.flash.triton_kernels import flash_bwd_dq_flat_kernel, flash_bwd_kv_flat_kernel, \
     flash_fwd_flat_kernel
 from cs336_systems.flash.tuning import even_flags, padded_dim
-from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, refuse_double_backward
+from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, check_window, \
+    refuse_double_backward
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -115,10 +117,10 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
 
 
 @torch.library.custom_op("cs336::flash_attn_fwd_launch", mutates_args=(), device_types=None)
-def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                          window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attn_fwd` by the launchers, opaque to torch.compile."""
-    return attention_forward(q, k, v, is_causal, scale)
+    return attention_forward(q, k, v, is_causal, scale, window=(window_left, window_right))
 
 
 def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,57 +129,62 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @flash_attn_fwd_launch.register_fake
-def _(q, k, v, is_causal, scale):
+def _(q, k, v, is_causal, scale, window_left=-1, window_right=-1):
     return _empty_outputs(q)
 
 
 @torch.library.custom_op("cs336::flash_attn_bwd_launch", mutates_args=(), device_types=None)
 def flash_attn_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                          lse: torch.Tensor, is_causal: bool, scale: float,
-                          deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          lse: torch.Tensor, is_causal: bool, scale: float, deterministic: bool | None,
+                          window_left: int = -1,
+                          window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flash_attn_bwd` by the launchers, opaque to torch.compile."""
-    return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic])
+    return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic],
+                              (window_left, window_right))
 
 
 @flash_attn_bwd_launch.register_fake
-def _(do, q, k, v, o, lse, is_causal, scale, deterministic):
+def _(do, q, k, v, o, lse, is_causal, scale, deterministic, window_left=-1, window_right=-1):
     return tuple(empty_like(t) for t in (q, k, v))
 
 
 @torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H."""
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                   window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H; a checked window."""
+    window = (window_left, window_right)
     if _plain(q) and not q.is_meta:  # meta tensors go to the launch op, whose fake kernel serves the meta device
-        return attention_forward(q, k, v, is_causal, scale)
-    if _inlined(q, k, is_causal):
+        return attention_forward(q, k, v, is_causal, scale, window=window)
+    if window == NO_WINDOW and _inlined(q, k, is_causal):
         return forward_inlined(q, k, v, is_causal, scale)
-    return flash_attn_fwd_launch(q, k, v, is_causal, scale)
+    return flash_attn_fwd_launch(q, k, v, is_causal, scale, window_left, window_right)
 
 
 @torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, is_causal: bool, scale: float,
-                   deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design)."""
+                   lse: torch.Tensor, is_causal: bool, scale: float, deterministic: bool | None,
+                   window_left: int = -1,
+                   window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV); `deterministic` as KernelOptions.deterministic (None: the faster design); the forward's window."""
+    window = (window_left, window_right)
     if _plain(q) and not q.is_meta:
-        return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic])
-    if deterministic is not False and _inlined(q, k, is_causal):
+        return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic], window)
+    if deterministic is not False and window == NO_WINDOW and _inlined(q, k, is_causal):
         return backward_inlined(do, q, k, v, o, lse, is_causal, scale)
-    return flash_attn_bwd_launch(do, q, k, v, o, lse, is_causal, scale, deterministic)
+    return flash_attn_bwd_launch(do, q, k, v, o, lse, is_causal, scale, deterministic, window_left, window_right)
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
+    q, k, v, is_causal, scale, *window = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.is_causal, ctx.scale, ctx.window = is_causal, scale, tuple(window) or NO_WINDOW
 
 
 def _op_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, deterministic_flag(None))
-    return dq, dk, dv, None, None
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, deterministic_flag(None), *ctx.window)
+    return dq, dk, dv, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -233,13 +240,15 @@ def _autocast_device(t: object) -> str | None:
     return None
 
 
-def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: KernelOptions):
+def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, opts: KernelOptions):
+    if window is not NO_WINDOW:
+        window = check_window(window)
     if torch._C._is_any_autocast_enabled() and (device := _autocast_device(Q)):
         # as SDPA under autocast: q, k, v in the autocast dtype, the attention itself computed without autocast
         dtype = torch.get_autocast_dtype(device)
         Q, K, V = (_autocast_cast(t, device, dtype) for t in (Q, K, V))
         with torch.autocast(device, enabled=False):
-            return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts)
+            return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, opts)
     is_causal = check_attention_inputs(Q, K, V, is_causal, enable_gqa)
     scale = check_scale(scale, Q.shape[-1])
     deterministic = deterministic_flag(deterministic)
@@ -247,13 +256,14 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts: Ke
     if Q.is_meta or not Q.numel():  # nothing to compute: no data (meta), or no rows (batch or heads 0)
         O, L = _empty_outputs(Q)
     elif opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
-        O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts)
+        O, L = _launch_eagerly_forward(Q, K, V, is_causal, scale, opts, window)
     elif torch.compiler.is_compiling():
-        O, L = flash_attn_fwd(Q, K, V, is_causal, scale)
+        O, L = flash_attn_fwd(Q, K, V, is_causal, scale, *window)
     else:
-        O, L = attention_forward(Q, K, V, is_causal, scale)
+        O, L = attention_forward(Q, K, V, is_causal, scale, window=window)
     ctx.save_for_backward(L, Q, K, V, O)
     ctx.is_causal, ctx.scale, ctx.deterministic, ctx.opts = is_causal, scale, deterministic, opts
+    ctx.window = window
     return O
 
 
@@ -266,26 +276,27 @@ def _backward(ctx, dO):
     if Q.is_meta or not Q.numel():  # zeros: a GQA call with no query heads still has K and V
         dQ, dK, dV = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (Q, K, V))
     elif ctx.opts is not DEFAULT_OPTIONS:
-        dQ, dK, dV = _launch_eagerly_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.opts)
+        dQ, dK, dV = _launch_eagerly_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.opts, ctx.window)
     elif torch.compiler.is_compiling():
-        dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic)
+        dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic, *ctx.window)
     else:
-        dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, OPTIONS[ctx.deterministic])
-    return dQ, dK, dV, None, None, None, None
+        dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, OPTIONS[ctx.deterministic],
+                                        ctx.window)
+    return dQ, dK, dV, None, None, None, None, None
 
 
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2: Triton forward and backward (TMA, causal tile skipping, tiles from the tuning table).
 
-    `FlashAttention2Triton.apply(Q, K, V, is_causal, scale=None, enable_gqa=False, deterministic=None)`
-    (autograd.Function.apply takes positional arguments only) with Q (..., H, Nq, D), K and V
+    `FlashAttention2Triton.apply(Q, K, V, is_causal, scale=None, enable_gqa=False, deterministic=None,
+    window=(-1, -1))` (autograd.Function.apply takes positional arguments only) with Q (..., H, Nq, D), K and V
     (..., Hkv, Nk, D). Saves exactly one (..., H, Nq) logsumexp beside Q, K, V and O. The backward is
     not differentiable again (double backward raises).
     """
 
     @staticmethod
-    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
-        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, DEFAULT_OPTIONS)
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None, window=NO_WINDOW):
+        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, DEFAULT_OPTIONS)
 
     @staticmethod
     def backward(ctx, dO):
@@ -295,8 +306,8 @@ class FlashAttention2Triton(torch.autograd.Function):
 def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Function]:
     """An autograd.Function like FlashAttention2Triton that runs the kernels with `opts` (eagerly)."""
 
-    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None):
-        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, opts)
+    def forward(ctx, Q, K, V, is_causal=False, scale=None, enable_gqa=False, deterministic=None, window=NO_WINDOW):
+        return _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, opts)
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward),
@@ -307,7 +318,7 @@ def autograd_function(name: str, opts: KernelOptions) -> type[torch.autograd.Fun
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None,
-    enable_gqa: bool = False, deterministic: bool | None = None,
+    enable_gqa: bool = False, deterministic: bool | None = None, window: tuple[int, int] = NO_WINDOW,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale [causal]) v, like `F.scaled_dot_product_attention` without a mask or dropout.
 
@@ -318,6 +329,13 @@ def flash_attention(
     TF32). `deterministic`: True runs the two-pass backward (bitwise repeatable), False the single pass
     (dQ added in fp32), None (default) follows `torch.are_deterministic_algorithms_enabled()`: the two-pass
     backward when it is on, else the faster of the two for the call (`chooser.backward_design`).
+
+    `window=(left, right)`: sliding-window (local) attention, query i sees key j iff i - left <= j <= i + right
+    (-1: that side unbounded; the default (-1, -1) is plain attention), in the same top-left coordinates as the
+    causal mask, which still applies with is_causal (right then acts as 0). Key tiles outside the band are
+    skipped, not masked. A query whose window holds no key (Nq > Nk, or a window past the keys) gets output 0,
+    logsumexp -inf and zero gradients (SDPA with such a boolean mask row gives NaN). A window that is not two ints
+    >= -1 raises (TypeError, ValueError) before any work.
 
     Under `torch.autocast` it follows autocast as SDPA does: q, k, v (floating, not float64) are cast to the
     autocast dtype and the output is in that dtype. Outputs and gradients are contiguous whatever the inputs'
@@ -330,4 +348,4 @@ def flash_attention(
             "flash_attention does not support torch.func transforms (vmap, grad, jvp, jacrev, ...): for gradients "
             "use autograd (loss.backward() or torch.autograd.grad); for vmap fold the mapped dim into the leading "
             "dims, which take any number of batch dims")
-    return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic)
+    return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic, window)

@@ -13,7 +13,10 @@ One program per (batch·head, tile):
   `flash_*_flat_kernel`       entry points Inductor launches itself (strides as separate integers).
 
 The inner loops run first over the tiles that need no mask, then over the tiles on the causal
-diagonal (and a ragged last tile) with MASKED=True. Causal grids run the longest tiles first.
+diagonal (and a ragged last tile) with MASKED=True. With HAS_WINDOW (a sliding window: query i sees keys
+[i - WINDOW_LEFT, i + WINDOW_RIGHT], causal folded into WINDOW_RIGHT by the host) they run over the tiles that
+intersect the band only: masked where its edges cut a tile, unmasked inside it; a row that sees no key gets
+O = 0 and L = -inf. Causal grids run the longest tiles first.
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2) and converted back for L, which is in
 natural log as the handout defines it. Causally hidden scores are excluded exactly (-inf before the
 softmax, 0 after). Head dims that are not a power of two are padded inside the kernel (zero-filled
@@ -28,6 +31,7 @@ import triton.language as tl
 INTERPRET = triton.knobs.runtime.interpret  # TRITON_INTERPRET as Triton itself reads it (1/true/on/yes)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+EMPTY_ROW_MAX = tl.constexpr(-1e30)  # running max of a row that has seen no key yet (finite: exp2 of it minus -inf is 0)
 
 if INTERPRET:
     from cs336_systems.flash import interpreter_fixes
@@ -91,9 +95,10 @@ def _store_tile(dst, row, value, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
+    acc, m_i, l_i, q, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Online softmax over key tiles [start, stop); m_i is the running max of the base-2 scores."""
     for k_start in range(start, stop, K_TILE_SIZE):
@@ -105,9 +110,14 @@ def _fwd_tiles(
             keep = offs_k[None, :] < N_KEYS
             if is_causal:
                 keep = keep & (offs_q[:, None] >= offs_k[None, :])
+            if HAS_WINDOW:
+                keep = keep & _in_band(offs_q[:, None], offs_k[None, :], WINDOW_LEFT, WINDOW_RIGHT)
             s = tl.where(keep, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)         # a row with nothing visible yet
+            if HAS_WINDOW:  # a band's first tile may show a row nothing, and its later scores may lie far below 0
+                m_new = tl.where(m_new == float("-inf"), EMPTY_ROW_MAX, m_new)
+            else:
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing visible yet
             p = tl.math.exp2(s - m_new[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -121,16 +131,19 @@ def _fwd_tiles(
 
 @triton.jit
 def _bwd_kv_tiles(
-    dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, qk_scale,
+    dk, dv, k, v, q_src, do_src, dq_dst, L_ptr, Delta_ptr, offs_k, start, stop, N_QUERIES, N_KEYS, qk_scale,
+    WINDOW_LEFT, WINDOW_RIGHT,
     Q_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    DP_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """dK, dV of one key tile over query tiles [start, stop), in transposed form (keys on rows).
 
     Query rows past N_QUERIES load as zeros (q, dO, L, delta), so they add nothing to dK, dV.
     With DQ_ATOMIC, dQ += dS·K of each tile pair is added to the fp32 accumulator `dq_dst`
-    (a TMA descriptor, or a pointer to the (N_QUERIES, D) rows with row stride D).
+    (a TMA descriptor, or a pointer to the (N_QUERIES, D) rows with row stride D). MASKED tiles are cut by the
+    causal diagonal, or with HAS_WINDOW by the band (keys past N_KEYS masked too: a row that sees no key has
+    L = -inf, which would make their P infinite).
     """
     for q_start in range(start, stop, Q_TILE_SIZE):
         q = _load_tile(q_src, q_start, CHECK_Q, CHECK_D, USE_TMA)
@@ -151,7 +164,11 @@ def _bwd_kv_tiles(
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
             dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if MASKED:
-            pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
+            if HAS_WINDOW:
+                keep = _in_band(offs_q[None, :], offs_k[:, None], WINDOW_LEFT, WINDOW_RIGHT)
+                pT = tl.where(keep & (offs_k[:, None] < N_KEYS), pT, 0.0)
+            else:
+                pT = tl.where(offs_q[None, :] >= offs_k[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
@@ -171,10 +188,10 @@ def _bwd_kv_tiles(
 
 @triton.jit
 def _bwd_dq_tiles(
-    dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale,
+    dq, q, do, lse, delta, k_src, v_src, offs_q, start, stop, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT,
     K_TILE_SIZE: tl.constexpr, MASKED: tl.constexpr, is_causal: tl.constexpr,
     CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    DP_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """dQ of one query tile over key tiles [start, stop) (the deterministic design's dQ pass)."""
     for k_start in range(start, stop, K_TILE_SIZE):
@@ -192,10 +209,38 @@ def _bwd_dq_tiles(
             keep = offs_k[None, :] < N_KEYS
             if is_causal:
                 keep = keep & (offs_q[:, None] >= offs_k[None, :])
+            if HAS_WINDOW:
+                keep = keep & _in_band(offs_q[:, None], offs_k[None, :], WINDOW_LEFT, WINDOW_RIGHT)
             p = tl.where(keep, p, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq, input_precision=PRECISION)
     return dq
+
+
+@triton.jit
+def _in_band(offs_q, offs_k, WINDOW_LEFT, WINDOW_RIGHT):
+    """Whether query offs_q sees key offs_k under the window (broadcast shapes)."""
+    return (offs_k >= offs_q - WINDOW_LEFT) & (offs_k <= offs_q + WINDOW_RIGHT)
+
+
+@triton.jit
+def _band_ranges(row_start, N_ROWS, N_COLS, BEFORE, AFTER, ROW_TILE: tl.constexpr, COL_TILE: tl.constexpr,
+                 WHOLE_COLS: tl.constexpr):
+    """Column ranges for the row tile at row_start when row r sees columns [r - BEFORE, r + AFTER]:
+    (start, full_start, full_stop, stop), where [start, full_start) and [full_stop, stop) are the tiles the band's
+    edges cut (masked) and [full_start, full_stop) the tiles inside it for every real row; column tiles outside
+    [start, stop) hold nothing any row sees and are never visited. WHOLE_COLS: a full tile must not be ragged
+    (the forward and dQ pass mask keys past N_COLS; the dK/dV pass reads queries past N_ROWS as zeros)."""
+    last = tl.minimum(row_start + ROW_TILE, N_ROWS) - 1
+    stop = tl.minimum(last + AFTER + 1, N_COLS)
+    first = tl.maximum(row_start - BEFORE, 0)
+    start = tl.where(first < stop, (first // COL_TILE) * COL_TILE, stop)  # (a tile of padding alone: none)
+    full_start = tl.minimum(tl.cdiv(tl.maximum(last - BEFORE, 0), COL_TILE) * COL_TILE, stop)
+    full_stop = ((row_start + AFTER + 1) // COL_TILE) * COL_TILE
+    if WHOLE_COLS:
+        full_stop = tl.minimum(full_stop, (N_COLS // COL_TILE) * COL_TILE)
+    full_stop = tl.maximum(tl.minimum(full_stop, stop), full_start)
+    return start, full_start, full_stop, stop
 
 
 @triton.jit
@@ -312,10 +357,11 @@ def _query_tile_sources(
 def flash_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
     stride_q, stride_k, stride_v, stride_o,  # (batch, head, seq, d) strides of each tensor
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK, WINDOW_LEFT, WINDOW_RIGHT,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles[, key chunks]). L is contiguous (batch·heads, N_QUERIES), natural log.
 
@@ -337,15 +383,31 @@ def flash_fwd_kernel(
     acc = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
-                               K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+    if HAS_WINDOW:
+        band_start, full_start, full_stop, stop = _band_ranges(q_start, N_QUERIES, N_KEYS, WINDOW_LEFT,
+                                                               WINDOW_RIGHT, Q_TILE_SIZE, K_TILE_SIZE, True)
+        start, end = _in_chunk(band_start, full_start, CHUNK, SPLIT)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
+                                   WINDOW_LEFT, WINDOW_RIGHT, K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D,
+                                   USE_TMA, PRECISION, True)
+        start, end = _in_chunk(full_start, full_stop, CHUNK, SPLIT)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
+                                   WINDOW_LEFT, WINDOW_RIGHT, K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D,
+                                   USE_TMA, PRECISION, True)
+    else:
+        full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
+        start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
+                                   WINDOW_LEFT, WINDOW_RIGHT, K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D,
+                                   USE_TMA, PRECISION, False)
     start, end = _in_chunk(full_stop, stop, CHUNK, SPLIT)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
-                               K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION)
+                               WINDOW_LEFT, WINDOW_RIGHT, K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA,
+                               PRECISION, HAS_WINDOW)
 
-    if SPLIT:  # a chunk past the causal diagonal sees no key: O = 0, and L = -inf from m_i (weight 0)
+    if HAS_WINDOW:  # a row whose window holds no key: L = -inf (and O = 0 below)
+        m_i = tl.where(l_i > 0, m_i, float("-inf"))
+    if SPLIT or HAS_WINDOW:  # a chunk past the causal diagonal sees no key: O = 0, and L = -inf from m_i (weight 0)
         l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2
@@ -442,11 +504,11 @@ def flash_bwd_prep_kernel(
 def flash_bwd_kv_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dQacc_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, head, seq, d) strides of each tensor
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK, WINDOW_LEFT, WINDOW_RIGHT,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, SPLIT: tl.constexpr,
-    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Grid (batch·kv_heads, key tiles[, query chunks]); key tile 0 (the longest under causal masking) first.
 
@@ -471,7 +533,13 @@ def flash_bwd_kv_kernel(
     dk = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     dv = tl.zeros((K_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
-    start, full_start = _query_ranges(k_start, N_QUERIES, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
+    if HAS_WINDOW:  # key j is seen by queries [j - WINDOW_RIGHT, j + WINDOW_LEFT]
+        start, full_start, full_stop, stop = _band_ranges(k_start, N_KEYS, N_QUERIES, WINDOW_RIGHT, WINDOW_LEFT,
+                                                          K_TILE_SIZE, Q_TILE_SIZE, False)
+    else:  # the tiles the diagonal cuts, then the whole ones
+        start, full_start = _query_ranges(k_start, N_QUERIES, Q_TILE_SIZE, K_TILE_SIZE, is_causal,
+                                          SKIP_MASKED_TILES)
+        full_stop = N_QUERIES
 
     for g in range(0, KV_GROUP):
         head = kv_head * KV_GROUP + g
@@ -488,12 +556,17 @@ def flash_bwd_kv_kernel(
         row_delta = Delta_ptr + batch_head * N_QUERIES
         lo, hi = _in_chunk(start, full_start, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
-                               lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, True, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
-        lo, hi = _in_chunk(full_start, N_QUERIES, CHUNK, SPLIT)
+                               lo, hi, N_QUERIES, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT, Q_TILE_SIZE, D_TILE,
+                               True, DQ_ATOMIC, CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST, HAS_WINDOW)
+        lo, hi = _in_chunk(full_start, full_stop, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
-                               lo, hi, N_QUERIES, qk_scale, Q_TILE_SIZE, D_TILE, False, DQ_ATOMIC,
-                               CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+                               lo, hi, N_QUERIES, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT, Q_TILE_SIZE, D_TILE,
+                               False, DQ_ATOMIC, CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST, HAS_WINDOW)
+        if HAS_WINDOW:
+            lo, hi = _in_chunk(full_stop, stop, CHUNK, SPLIT)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
+                                   lo, hi, N_QUERIES, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT, Q_TILE_SIZE,
+                                   D_TILE, True, DQ_ATOMIC, CHECK_Q, CHECK_D, USE_TMA, PRECISION, DP_FIRST, True)
 
     dk_dst = _tile_src(dK_ptr, stride_dk, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
     dv_dst = _tile_src(dV_ptr, stride_dv, batch, kv_head, N_KEYS, D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -505,11 +578,11 @@ def flash_bwd_kv_kernel(
 def flash_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
     stride_q, stride_k, stride_v, stride_do, stride_dq, stride_o, stride_docopy,  # (batch, head, seq, d)
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, CHUNK, WINDOW_LEFT, WINDOW_RIGHT,
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DP_FIRST: tl.constexpr, FUSED_PREP: tl.constexpr, COPY_DO: tl.constexpr, SPLIT: tl.constexpr,
-    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees.
 
@@ -548,13 +621,24 @@ def flash_bwd_dq_kernel(
     dq = tl.zeros((Q_TILE_SIZE, D_TILE), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
-    start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
-                       K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+    if HAS_WINDOW:
+        band_start, full_start, full_stop, stop = _band_ranges(q_start, N_QUERIES, N_KEYS, WINDOW_LEFT,
+                                                               WINDOW_RIGHT, Q_TILE_SIZE, K_TILE_SIZE, True)
+        start, end = _in_chunk(band_start, full_start, CHUNK, SPLIT)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale, WINDOW_LEFT,
+                           WINDOW_RIGHT, K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST,
+                           True)
+        start, end = _in_chunk(full_start, full_stop, CHUNK, SPLIT)
+    else:
+        full_stop, stop = _key_ranges(q_start, N_KEYS, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES)
+        start, end = _in_chunk(0, full_stop, CHUNK, SPLIT)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale, WINDOW_LEFT,
+                       WINDOW_RIGHT, K_TILE_SIZE, False, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST,
+                       HAS_WINDOW)
     start, end = _in_chunk(full_stop, stop, CHUNK, SPLIT)
-    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale,
-                       K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST)
+    dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, offs_q, start, end, N_KEYS, qk_scale, WINDOW_LEFT,
+                       WINDOW_RIGHT, K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA, PRECISION, DP_FIRST,
+                       HAS_WINDOW)
     _store_tile(dq_dst, q_start, dq * scale, CHECK_Q, CHECK_D, USE_TMA)
 
 
@@ -591,8 +675,8 @@ def flash_fwd_flat_kernel(
     scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64 (Triton's own launcher as fp32)
     flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3),
                      (sv0, sv1, sv2, sv3), (so0, so1, so2, so3), N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
-                     D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION, False,
-                     CHECK_Q, CHECK_K, CHECK_D)
+                     0, 0, D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
+                     False, CHECK_Q, CHECK_K, CHECK_D, False)
 
 
 @triton.jit
@@ -611,9 +695,9 @@ def flash_bwd_dq_flat_kernel(
     flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, O_ptr, dOcopy_ptr,
                         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
                         (sdq0, sdq1, sdq2, sdq3), (so0, so1, so2, so3), (sc0, sc1, sc2, sc3),
-                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
+                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0, 0, 0,
                         D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
-                        DP_FIRST, True, COPY_DO, False, CHECK_Q, CHECK_K, CHECK_D)
+                        DP_FIRST, True, COPY_DO, False, CHECK_Q, CHECK_K, CHECK_D, False)
 
 
 @triton.jit
@@ -632,8 +716,8 @@ def flash_bwd_kv_flat_kernel(
     flash_bwd_kv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, dK_ptr,
                         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
                         (sdk0, sdk1, sdk2, sdk3), (sdv0, sdv1, sdv2, sdv3),
-                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0,
+                        N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, 0, 0, 0,
                         D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, is_causal, SKIP_MASKED_TILES, USE_TMA, PRECISION,
-                        False, DP_FIRST, False, CHECK_Q, CHECK_K, CHECK_D)
+                        False, DP_FIRST, False, CHECK_Q, CHECK_K, CHECK_D, False)
 
 
