@@ -12,7 +12,7 @@ pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
 "gluon_everywhere" is the shipped kernel with the Gluon kernels at every size they take, short calls too
-(the measurement behind `chooser.GLUON_MIN_WORK`). "atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`), measured
+(the measurement behind `chooser.GLUON_FWD_MIN_WORK` and `GLUON_BWD_MIN_WORK`). "atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`), measured
 slower than the two-pass design on the H200. The steps before "tma" load tiles through
 block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
 `runs/README.md` has the table. Non-shipped variants launch eagerly (a graph break under

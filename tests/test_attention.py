@@ -288,7 +288,7 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, 
     calls = []
     triton = lambda *a, **kw: calls.append(("triton", None))  # noqa: E731
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
-    monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
+    monkeypatch.setattr(chooser, "GLUON_FWD_MIN_WORK", min_work)
     monkeypatch.setattr(launch.gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
     monkeypatch.setattr(launch.gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
     monkeypatch.setitem(launch._TILED, "fwd", (triton, triton))
@@ -328,7 +328,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     triton = lambda *a, **kw: calls.append(("triton",))  # noqa: E731
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
-    monkeypatch.setattr(chooser, "GLUON_MIN_WORK", min_work)
+    monkeypatch.setattr(chooser, "GLUON_BWD_MIN_WORK", min_work)
     monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
     monkeypatch.setattr(launch.gluon, "kv_pass", lambda *a, **kw: calls.append(
         ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))

@@ -1,12 +1,13 @@
 """Which design runs a call: pure functions from a call's metadata to the forward's and the backward's design.
 
-Routing (sm_90 = Hopper; "large" = batch·heads·Nq·Nk >= GLUON_MIN_WORK; "short grid" = `split_rows` > 0):
+Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows` > 0):
 
   forward                                           | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward)
   a sliding window (`band` not None)                | TRITON (unsplit; the Gluon kernels have no window)
-  large, sm_90, 16-bit, d 64/128, layout Gluon takes| GLUON
+  work >= GLUON_FWD_MIN_WORK, sm_90, 16-bit, d 64/128,
+  a layout Gluon takes                              | GLUON
   short grid (few heads × long sequences)           | TRITON_SPLIT (keys split, then merged)
   otherwise                                         | TRITON
 
@@ -15,13 +16,14 @@ Routing (sm_90 = Hopper; "large" = batch·heads·Nq·Nk >= GLUON_MIN_WORK; "shor
   CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward)
   a sliding window, deterministic False             | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
-  deterministic not True, large, Gluon single pass  | GLUON_SINGLE (dQ by TMA reductions)
+  deterministic not True, work >= GLUON_BWD_MIN_WORK,
+  Gluon single pass takes the call                  | GLUON_SINGLE (dQ by TMA reductions)
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
-  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon where large and taken
+  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from GLUON_BWD_MIN_WORK where taken
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
 
-Under torch.compile a call that runs the Triton two-pass design unsplit, with no Gluon kernel, on CUDA with
-static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed call
+Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
+CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed call
 never splits: its reduction is bounded by the band, not by the sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
@@ -38,9 +40,12 @@ import torch
 
 from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
-# batch·heads·Nq·Nk from which the forward and the dK/dV pass run in Gluon: a Gluon launch (host-side TMA
-# descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton
-GLUON_MIN_WORK = 1 << 30
+# batch·heads·Nq·Nk from which the forward, and the backward's passes, run in Gluon: a Gluon launch (host-side TMA
+# descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton. On the H200
+# (`cs336-bench grid`, the gluon_everywhere variant against the shipped one, same run) the Gluon forward was faster
+# from 32 × 16 × 512² (2^27) up, the Gluon backward from 8 × 16 × 2048² (2^29) up; at 2^27 it was slower
+GLUON_FWD_MIN_WORK = 1 << 27
+GLUON_BWD_MIN_WORK = 1 << 29
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (`split_rows`)
@@ -171,10 +176,10 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
     return split_rows(call.batch * call.heads, n_rows, n_reduce, call.causal, call.sms, 2 if call.d <= 64 else 1)
 
 
-def _gluon_wanted(flag: bool | None, call: Call) -> bool:
+def _gluon_wanted(flag: bool | None, call: Call, min_work: int) -> bool:
     if call.window:
         return False
-    return call.work >= GLUON_MIN_WORK if flag is None else flag
+    return call.work >= min_work if flag is None else flag
 
 
 def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:
@@ -182,7 +187,7 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
     if not call.kernels:
         return Forward.PYTORCH, 0
     chunk = _split(opts, call, call.n_q, call.n_k)
-    if _gluon_wanted(opts.gluon_fwd, call) and not chunk and call.tma and call.gluon_fwd:
+    if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK) and not chunk and call.tma and call.gluon_fwd:
         return Forward.GLUON, 0
     return (Forward.TRITON_SPLIT, chunk) if chunk else (Forward.TRITON, 0)
 
@@ -190,7 +195,7 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
 def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> BackwardChoice:
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
-    gluon = _gluon_wanted(opts.gluon_kv, call) and opts.skip_masked_tiles and call.tma
+    gluon = _gluon_wanted(opts.gluon_kv, call, GLUON_BWD_MIN_WORK) and opts.skip_masked_tiles and call.tma
     if opts.deterministic is not True and gluon and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
     if opts.deterministic is False:
@@ -202,10 +207,11 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
     return BackwardChoice(Backward.TRITON_TWO_PASS, gluon_kv, dq_chunk, kv_chunk)
 
 
-def inlined(call: Call) -> bool:
-    """Whether a traced call with the default options runs the flat two-pass kernels launched by Inductor:
-    on a GPU, short of the Gluon kernels' work, no pass split."""
-    return (call.kernels and call.sms > 0 and call.work < GLUON_MIN_WORK and not call.window
+def inlined(call: Call, backward: bool = False) -> bool:
+    """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
+    launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
+    min_work = GLUON_BWD_MIN_WORK if backward else GLUON_FWD_MIN_WORK
+    return (call.kernels and call.sms > 0 and call.work < min_work and not call.window
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
 

@@ -6,7 +6,7 @@ The forward (`flash_fwd_gluon_kernel`, `forward`) is FlashAttention-3's schedule
 three consumer warpgroups of 64 query rows that take turns at the tensor cores, and in each warpgroup the
 softmax of one key tile under the previous tile's P·V (the schedule and its barriers are described above
 the kernel). `flash_triton` runs it by default where `fwd_supported` holds and the call is large
-(`chooser.GLUON_MIN_WORK`); on the H200 it takes less kernel time than the Triton forward at d 64 and 128
+(`chooser.GLUON_FWD_MIN_WORK`); on the H200 it takes less kernel time than the Triton forward at d 64 and 128
 (docs/design.md).
 
 The single pass at d 64 and 128 (`flash_bwd_single_keys_gluon_kernel`, `kv_pass(dq_acc=)`, shipped: `flash_triton`

@@ -39,7 +39,7 @@ def _tma_ok_traced(*tensors: torch.Tensor) -> bool:
     return all(t.storage_offset() * t.element_size() % 16 == 0 and tma_strides_ok(t) for t in tensors)
 
 
-def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
+def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool, backward: bool = False) -> bool:
     """Whether a traced call runs the flat entry kernels, launched by Inductor (`chooser.inlined`). Symbolic sizes
     (torch.compile(dynamic=True)) take the opaque op: the flat kernels' grid and tiles would specialize every size."""
     if q.device.type != "cuda" or INTERPRET:
@@ -51,7 +51,7 @@ def _inlined(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     index = q.device.index or 0
     call = chooser.Call(batch, heads, n_q, k4.shape[2], d, is_causal, True, chooser.sm_count(index),
                         False, False, False, False)
-    return chooser.inlined(call)
+    return chooser.inlined(call, backward)
 
 
 def _flat(kernel):
@@ -169,7 +169,7 @@ def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     window = (window_left, window_right)
     if _plain(q) and not q.is_meta:
         return attention_backward(do, q, k, v, o, lse, is_causal, scale, OPTIONS[deterministic], window)
-    if deterministic is not False and window == NO_WINDOW and _inlined(q, k, is_causal):
+    if deterministic is not False and window == NO_WINDOW and _inlined(q, k, is_causal, backward=True):
         return backward_inlined(do, q, k, v, o, lse, is_causal, scale)
     return flash_attn_bwd_launch(do, q, k, v, o, lse, is_causal, scale, deterministic, window_left, window_right)
 
