@@ -59,6 +59,20 @@ def test_flash_chooser_two_pass_takes_the_gluon_kv_pass_only_unsplit_and_large()
     assert short.kv_chunk and short.dq_chunk and not short.gluon_kv
 
 
+@pytest.mark.parametrize("batch,seq,forward,backward,inlined_fwd,inlined_bwd", [
+    (32, 512, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),    # 2^27: Triton both ways
+    (16, 1024, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),   # 2^28: the Gluon forward only
+    (8, 2048, Forward.GLUON, Backward.GLUON_SINGLE, False, False),      # 2^29: Gluon both ways
+])
+def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, forward, backward, inlined_fwd, inlined_bwd):
+    """The training grid's short points (16 heads, 16384 tokens a batch): the Gluon forward from GLUON_FWD_MIN_WORK,
+    the Gluon backward from GLUON_BWD_MIN_WORK, each inlined under torch.compile below its own threshold."""
+    grid_call = call(sizes=dict(batch=batch, heads=16, n_q=seq, n_k=seq))
+    assert chooser.forward_design(grid_call) == (forward, 0)
+    assert chooser.backward_design(grid_call).design is backward
+    assert (chooser.inlined(grid_call), chooser.inlined(grid_call, backward=True)) == (inlined_fwd, inlined_bwd)
+
+
 @pytest.mark.parametrize("facts,expected", [
     (dict(), True), (dict(sizes=LARGE), False), (dict(kernels=False), False), (dict(sms=0), False),
     (dict(sizes=dict(batch=1, heads=1, n_q=16384, n_k=16384)), False),  # a split pass

@@ -43,8 +43,9 @@ from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 # batch·heads·Nq·Nk from which the forward, and the backward's passes, run in Gluon: a Gluon launch (host-side TMA
 # descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton. On the H200
 # (`cs336-bench grid`, the gluon_everywhere variant against the shipped one, same run) the Gluon forward was faster
-# from 32 × 16 × 512² (2^27) up, the Gluon backward from 8 × 16 × 2048² (2^29) up; at 2^27 it was slower
-GLUON_FWD_MIN_WORK = 1 << 27
+# from 32 × 16 × 512² (2^27) up, the Gluon backward from 8 × 16 × 2048² (2^29) up; at 2^27 it was slower. The
+# forward starts at 2^28: at 2^27, d 64, the Gluon forward with the Triton backward is not yet measured settled
+GLUON_FWD_MIN_WORK = 1 << 28
 GLUON_BWD_MIN_WORK = 1 << 29
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
