@@ -13,9 +13,7 @@ from cs336_systems.flash.launch import (
     INTERPRET, MAX_HEAD_DIM, attention_backward, attention_forward, flash_backward_triton, flash_forward_triton,
     launch_cache_sizes, launch_hooks_installed,
 )
-from cs336_systems.flash.ops import (
-    FlashAttention2Triton, autograd_function, flash_attention, flash_attn_bwd, flash_attn_fwd,
-)
+from cs336_systems.flash.ops import FlashAttention2Triton, autograd_function, flash_attention
 
 __all__ = [
     "AUTOTUNED_KERNELS", "INTERPRET", "KERNELS", "MAX_HEAD_DIM", "FlashAttention2Triton", "KernelOptions",
@@ -23,3 +21,12 @@ __all__ = [
     "flash_attn_bwd", "flash_attn_fwd", "flash_backward_triton", "flash_forward_triton", "launch_cache_sizes",
     "launch_hooks_installed", "make_configs", "split_rows",
 ]
+
+
+def __getattr__(name: str):
+    """The ops torch.compile traces, registered when torch._dynamo loads (`flash.ops`)."""
+    if name in ("flash_attn_fwd", "flash_attn_bwd"):
+        from cs336_systems.flash import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

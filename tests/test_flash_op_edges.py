@@ -320,3 +320,29 @@ def test_flash_fullgraph_compile_with_a_window(pytorch_path, backend):
         eager = run(lambda *a: flash_attention(*a, is_causal, window=window), q, k, v, do)
         for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, eager):
             assert torch.equal(x, y), f"{name} with window {window}: compiled differs from eager"
+
+
+def test_flash_op_import_leaves_dynamo_and_inductor_unloaded():
+    """Importing the op costs no Inductor (3-7 s): its traced ops are registered when torch._dynamo loads, in either
+    order of loading Inductor, and before anything is compiled."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import torch
+from cs336_systems import flash_attention
+assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules, "the import loaded dynamo"
+assert not hasattr(torch.ops.cs336, "flash_attn_fwd"), "the traced ops were registered at import"
+import torch._inductor  # loads torch._dynamo, half way through its own import
+from cs336_systems.flash import ops
+assert isinstance(ops.flash_attn_fwd, torch._library.custom_ops.CustomOpDef), ops.flash_attn_fwd
+assert hasattr(torch.ops.cs336, "flash_attn_bwd")
+q = torch.randn(1, 2, 24, 16, requires_grad=True)
+step = torch.compile(lambda a: flash_attention(a, a, a, True), fullgraph=True, backend="aot_eager")
+step(q).sum().backward()
+assert q.grad is not None and q.grad.isfinite().all()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -20,10 +20,19 @@ MODULE_DUNDERS = {"__file__", "__name__", "__doc__", "__spec__", "__package__", 
 
 
 def undefined_globals(source: str, filename: str) -> list[tuple[str, int, str]]:
-    """(scope, line, name) for each global name a nested scope reads that the module never binds."""
+    """(scope, line, name) for each global name a nested scope reads that the module never binds (at its top
+    level, or in a function that declares the name `global` and assigns it)."""
     top = symtable.symtable(source, filename, "exec")
     bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
-    known = bound | set(dir(builtins)) | MODULE_DUNDERS
+
+    def declared(table: symtable.SymbolTable) -> set[str]:
+        names = set()
+        for child in table.get_children():
+            names |= {s.get_name() for s in child.get_symbols() if s.is_declared_global() and s.is_assigned()}
+            names |= declared(child)
+        return names
+
+    known = bound | declared(top) | set(dir(builtins)) | MODULE_DUNDERS
     missing = []
 
     def walk(table: symtable.SymbolTable) -> None:
@@ -39,6 +48,8 @@ def undefined_globals(source: str, filename: str) -> list[tuple[str, int, str]]:
 def test_checker_finds_an_undefined_name():
     source = "import torch\n\ndef launch(x):\n    compiled = kernel[x]\n    return torch.zeros(compiled)\n"
     assert undefined_globals(source, "example.py") == [("launch", 3, "kernel")]
+    bound_later = "def register():\n    global kernel\n    kernel = 1\n\ndef launch():\n    return kernel\n"
+    assert undefined_globals(bound_later, "example.py") == []
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(ROOT)) for p in SOURCES])

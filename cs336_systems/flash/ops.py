@@ -6,10 +6,17 @@ alone, unsplit (`chooser.inlined`: a CUDA GPU, static sizes, short of the Gluon 
 the flat entry kernels itself (`wrap_triton`), with no Python of ours in the compiled call. Every other call (the
 Gluon kernels, split passes, the single pass, symbolic sizes, the CPU) goes to an opaque custom op (`..._launch`)
 running the launchers; so does an eager call of the ops, and a call with a sliding window (`window_left`,
-`window_right`; -1 unbounded). No graph break either way; CUDA graphs capture both.
+`window_right`; -1 unbounded). No graph break either way; CUDA graphs capture both. An eager call never reaches
+them: they are registered when torch._dynamo loads (`_register_traced_ops`), since registering a triton_op imports
+Inductor, which made importing the op take seconds.
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -148,8 +155,7 @@ def _(do, q, k, v, o, lse, is_causal, scale, deterministic, window_left=-1, wind
     return tuple(empty_like(t) for t in (q, k, v))
 
 
-@torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                    window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) of checked inputs: q (..., H, Nq, D), k and v (..., Hkv, Nk, D), Hkv dividing H; a checked window."""
     window = (window_left, window_right)
@@ -160,8 +166,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return flash_attn_fwd_launch(q, k, v, is_causal, scale, window_left, window_right)
 
 
-@torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _flash_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, scale: float, deterministic: bool | None,
                    window_left: int = -1,
                    window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -187,7 +192,6 @@ def _op_backward(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None
 
 
-flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def _autocast_cast(t: object, device: str, dtype: torch.dtype) -> object:
@@ -218,11 +222,66 @@ def _register_autocast(name: str, cast: int) -> None:
         _autocast_library.impl(name, kernel, key, with_keyset=True)
 
 
-_register_autocast("flash_attn_fwd", 3)  # q, k, v
-_register_autocast("flash_attn_bwd", 0)  # the forward's tensors and dO, in the dtype it ran in
+# The launchers as the variants call them: a graph break under torch.compile once dynamo is loaded (before, nothing
+# traces them)
+_launch_eagerly_forward, _launch_eagerly_backward = attention_forward, attention_backward
 
-_launch_eagerly_forward = torch.compiler.disable(attention_forward)
-_launch_eagerly_backward = torch.compiler.disable(attention_backward)
+
+def _register_traced_ops() -> None:
+    """Register the ops torch.compile traces (`cs336::flash_attn_fwd`, `cs336::flash_attn_bwd`: triton_ops, their
+    autograd and autocast rules) and wall off the variants' launchers. Registering a triton_op imports Inductor
+    (3-7 s), which an eager call never needs: this runs when torch._dynamo loads (`_AfterImport`), before anything
+    can be traced, or at import where it is loaded already."""
+    global flash_attn_fwd, flash_attn_bwd, _launch_eagerly_forward, _launch_eagerly_backward
+    if "flash_attn_fwd" in globals():
+        return
+    flash_attn_fwd = torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())(_flash_attn_fwd)
+    flash_attn_bwd = torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)
+    flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
+    _register_autocast("flash_attn_fwd", 3)  # q, k, v
+    _register_autocast("flash_attn_bwd", 0)  # the forward's tensors and dO, in the dtype it ran in
+    _launch_eagerly_forward = torch.compiler.disable(attention_forward)
+    _launch_eagerly_backward = torch.compiler.disable(attention_backward)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `callback` right after module `name` is first executed: finds the module's spec with the other finders
+    and wraps its loader's exec_module (then leaves sys.meta_path)."""
+
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, callback = spec.loader.exec_module, self.callback
+
+        def exec_module(module):
+            execute(module)
+            callback()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _register_traced_ops()
+else:
+    sys.meta_path.insert(0, _AfterImport("torch._dynamo", _register_traced_ops))
+
+
+def __getattr__(name: str):
+    """flash_attn_fwd / flash_attn_bwd from outside: loading torch._dynamo registers them."""
+    if name in ("flash_attn_fwd", "flash_attn_bwd"):
+        import torch._dynamo  # noqa: F401
+
+        _register_traced_ops()  # (where dynamo was imported before the finder went in)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def deterministic_flag(flag: object) -> bool | None:
