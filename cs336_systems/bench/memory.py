@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from cs336_systems.bench import options, report
 from cs336_systems.bench.memory_snapshot import MIB, Phase
-from cs336_systems.bench.model import SIZES, SMOKE_SIZE, model_config
+from cs336_systems.bench.model import SIZES, SMOKE_SIZE, model_config, random_lm
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.record import NUMBER
 from cs336_systems.bench.report import Output, Row
@@ -159,15 +159,12 @@ def _profile(args: argparse.Namespace, rec: Recorder, state: dict, size: str, ct
     """One configuration's recorded steps: the row's metrics, its timeline PNG (and snapshot pickle)."""
     import torch
 
-    from cs336_basics.model import BasicsTransformerLM
     from cs336_basics.optimizer import AdamW
     from cs336_systems.bench.memory_snapshot import draw_timeline, largest_allocations, replay
 
     device = rec.device
     if "model" not in state:  # shared by the (size, context)'s rows; each step row builds its own optimizer
-        state["model"] = BasicsTransformerLM.from_config(model_config(size), vocab_size=args.vocab, context_length=ctx,
-                                                         device=device)
-        state["x"], state["y"] = (torch.randint(0, args.vocab, (args.batch, ctx), device=device) for _ in range(2))
+        state["model"], state["x"], state["y"] = random_lm(model_config(size), args.vocab, ctx, args.batch, device)
     model = state["model"]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
     if mode == "fwd":

@@ -97,10 +97,21 @@ def model_config(size: str):
     return MODEL_CONFIGS[size]
 
 
-def run(args: argparse.Namespace, rec: Recorder) -> int:
+def random_lm(config, vocab: int, context: int, batch: int, device):
+    """(model, inputs, targets): the LM with random weights, and one random batch of `batch` × `context` tokens (the
+    model, profile and memory benchmarks all run this)."""
     import torch
 
     from cs336_basics.model import BasicsTransformerLM
+
+    model = BasicsTransformerLM.from_config(config, vocab_size=vocab, context_length=context, device=device)
+    x, y = (torch.randint(0, vocab, (batch, context), device=device) for _ in range(2))
+    return model, x, y
+
+
+def run(args: argparse.Namespace, rec: Recorder) -> int:
+    import torch
+
     from cs336_basics.nn_utils import cross_entropy
     from cs336_basics.optimizer import AdamW
     from cs336_systems.bench.timing import time_calls
@@ -143,18 +154,11 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         def setup() -> dict:
             """Model (+ compile wrapper) and data, built on first use and shared by this combo's modes."""
             if "model" not in state:
-                model = BasicsTransformerLM.from_config(
-                    config, vocab_size=args.vocab, context_length=ctx, device=device
-                )
+                model, x, y = random_lm(config, args.vocab, ctx, batch, device)
                 if compiled:
                     torch._dynamo.reset()
                     model = torch.compile(model, backend=backend, dynamic=False)
-                state.update(
-                    model=model,
-                    n_params=sum(p.numel() for p in model.parameters()),
-                    x=torch.randint(0, args.vocab, (batch, ctx), device=device),
-                    y=torch.randint(0, args.vocab, (batch, ctx), device=device),
-                )
+                state.update(model=model, n_params=sum(p.numel() for p in model.parameters()), x=x, y=y)
             return state
 
         def loss_fn():

@@ -190,7 +190,6 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from torch.profiler import record_function
 
     import cs336_basics.model as basics_model
-    from cs336_basics.model import BasicsTransformerLM
     from cs336_basics.nn_utils import cross_entropy
     from cs336_basics.optimizer import AdamW
     from cs336_systems.bench.timing import summarize_ms, synchronize
@@ -228,11 +227,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
         def measure(mode: str) -> Row:
             if "model" not in state:
-                model = BasicsTransformerLM.from_config(config, vocab_size=args.vocab, context_length=ctx,
-                                                        device=device)
-                state.update(model=model, optimizer=AdamW(model.parameters(), lr=1e-4),
-                             x=torch.randint(0, args.vocab, (args.batch, ctx), device=device),
-                             y=torch.randint(0, args.vocab, (args.batch, ctx), device=device))
+                model, x, y = model_problem.random_lm(config, args.vocab, ctx, args.batch, device)
+                state.update(model=model, optimizer=AdamW(model.parameters(), lr=1e-4), x=x, y=y)
             try:
                 for _ in range(args.warmup):
                     step(mode)
