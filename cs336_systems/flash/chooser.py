@@ -23,8 +23,8 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
-CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed call
-never splits: its reduction is bounded by the band, not by the sequence.
+CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed
+call never splits: its reduction is bounded by the band, not by the sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).

@@ -341,11 +341,11 @@ def _layout(t: torch.Tensor) -> tuple:
 def plan_key(tensors: tuple[torch.Tensor, ...], is_causal: bool, opts: KernelOptions,
              band: tuple[int, int] | None = None) -> tuple:
     """What a plan is decided from: each tensor's shape, strides, dtype and 16-byte misalignment, is_causal, the
-    window's band, the options; q's device, the fp32 matmul precision, whether launch hooks are installed, and last the current CUDA
-    device, whose compiled kernels the plan's launches call."""
+    window's band, the options; q's device, the fp32 matmul precision, whether launch hooks are installed, and last
+    the current CUDA device, whose compiled kernels the plan's launches call."""
     q = tensors[0]
-    return (*map(_layout, tensors), is_causal, band, opts, q.device, chooser.precision(q.dtype), launch_hooks_installed(),
-            torch.cuda.current_device() if q.is_cuda else None)
+    return (*map(_layout, tensors), is_causal, band, opts, q.device, chooser.precision(q.dtype),
+            launch_hooks_installed(), torch.cuda.current_device() if q.is_cuda else None)
 
 
 def _off_current_device(q: torch.Tensor, key: tuple) -> bool:
@@ -631,7 +631,7 @@ def flash_backward_triton(
         with torch.cuda.device(q.device):
             return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, warm, window)
     plan = _BACKWARD_PLANS.get(key)
-    if warm is not None:  # (a plan of its own: the first real call waits for the background compiles, then plans)
+    if warm is not None:  # (a plan of its own, not kept: the collecting call launches nothing)
         plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
     elif plan is None:
         forward_key = plan_key((q, k, v), is_causal, opts, band)

@@ -192,8 +192,6 @@ def _op_backward(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None
 
 
-
-
 def _autocast_cast(t: object, device: str, dtype: torch.dtype) -> object:
     """t as autocast casts an input of an op it runs in lower precision: a floating tensor on `device` other than
     float64 in `dtype`; anything else as it is."""
@@ -279,7 +277,7 @@ def __getattr__(name: str):
     if name in ("flash_attn_fwd", "flash_attn_bwd"):
         import torch._dynamo  # noqa: F401
 
-        _register_traced_ops()  # (where dynamo was imported before the finder went in)
+        _register_traced_ops()  # (done already by the finder; a no-op unless dynamo loaded past it)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
