@@ -328,7 +328,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     triton = lambda *a, **kw: calls.append(("triton",))  # noqa: E731
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
-    monkeypatch.setattr(chooser, "GLUON_BWD_MIN_WORK", min_work)
+    monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, 64, min_work)
     monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
     monkeypatch.setattr(launch.gluon, "kv_pass", lambda *a, **kw: calls.append(
         ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))

@@ -16,10 +16,10 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
   CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward)
   a sliding window, deterministic False             | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
-  deterministic not True, work >= GLUON_BWD_MIN_WORK,
+  deterministic not True, work >= gluon_bwd_min_work(d),
   Gluon single pass takes the call                  | GLUON_SINGLE (dQ by TMA reductions)
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
-  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from GLUON_BWD_MIN_WORK where taken
+  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from gluon_bwd_min_work where taken
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
@@ -41,12 +41,12 @@ import torch
 from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
 # batch·heads·Nq·Nk from which the forward, and the backward's passes, run in Gluon: a Gluon launch (host-side TMA
-# descriptors) costs more host time than a Triton kernel's cached C launch, so short calls keep Triton. On the H200
-# (`cs336-bench grid`, the gluon_everywhere variant against the shipped one, same run) the Gluon forward was faster
-# from 32 × 16 × 512² (2^27) up, the Gluon backward from 8 × 16 × 2048² (2^29) up; at 2^27 it was slower. The
-# forward starts at 2^28: at 2^27, d 64, the Gluon forward with the Triton backward is not yet measured settled
-GLUON_FWD_MIN_WORK = 1 << 28
-GLUON_BWD_MIN_WORK = 1 << 29
+# descriptors) costs more host time than a Triton kernel's cached C launch, so host-bound calls keep Triton. Measured
+# on the H200 (`cs336-bench grid` at 32 × 512, 16 × 1024 and 8 × 2048, the gluon_*_everywhere variants against the
+# shipped kernel in one run): the Gluon forward is as fast or faster from 2^27 at d 64 and 128; the Gluon backward
+# from 2^27 at d 128, but at d 64 only from 2^28 (at 2^27 its single pass took 1.6-1.7x the Triton two-pass time)
+GLUON_FWD_MIN_WORK = 1 << 27
+GLUON_BWD_MIN_WORK = {64: 1 << 28, 128: 1 << 27}  # per Gluon head dim (d <= 64 runs the d-64 kernels)
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (`split_rows`)
@@ -183,6 +183,11 @@ def _gluon_wanted(flag: bool | None, call: Call, min_work: int) -> bool:
     return call.work >= min_work if flag is None else flag
 
 
+def gluon_bwd_min_work(d: int) -> int:
+    """The work from which a backward of head dim d runs in Gluon (`GLUON_BWD_MIN_WORK`)."""
+    return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128]
+
+
 def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:
     """(design, rows per key chunk where the forward splits)."""
     if not call.kernels:
@@ -196,7 +201,7 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
 def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> BackwardChoice:
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
-    gluon = _gluon_wanted(opts.gluon_kv, call, GLUON_BWD_MIN_WORK) and opts.skip_masked_tiles and call.tma
+    gluon = _gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d)) and opts.skip_masked_tiles and call.tma
     if opts.deterministic is not True and gluon and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
     if opts.deterministic is False:
@@ -211,7 +216,7 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
 def inlined(call: Call, backward: bool = False) -> bool:
     """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
     launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
-    min_work = GLUON_BWD_MIN_WORK if backward else GLUON_FWD_MIN_WORK
+    min_work = gluon_bwd_min_work(call.d) if backward else GLUON_FWD_MIN_WORK
     return (call.kernels and call.sms > 0 and call.work < min_work and not call.window
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
