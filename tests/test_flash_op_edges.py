@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cs336_systems.flash.launch as launch
 from cs336_systems.flash_triton import FlashAttention2Triton, flash_attention, flash_attn_bwd, flash_attn_fwd
 
-from .helpers import run
+from .helpers import reference_attention, rel_err, run
 
 
 @pytest.fixture(params=["interpreter", "pytorch"])
@@ -151,6 +151,32 @@ def test_flash_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
     torch.library.opcheck(flash_attn_fwd, fwd_args)
     torch.library.opcheck(flash_attn_bwd, bwd_args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_flash_outputs_and_grads_keep_a_bshd_layout(cpu_path):
+    """q, k, v as separate projections give them ((B, H, S, D) views of (B, S, H, D) memory): O and the gradients
+    come back in that layout (reshaping O to (B, S, H·D) is a view, as with SDPA), the real ops' strides match their
+    fake kernels', and the values match a float64 reference."""
+    from cs336_systems.flash.ops import flash_attn_bwd_launch, flash_attn_fwd_launch
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 24, 2, 16, generator=gen).transpose(1, 2) for _ in range(3))
+    bshd = (2 * 24 * 16, 16, 2 * 16, 1)
+    assert q.stride() == bshd and not q.is_contiguous()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = flash_attention(*leaves, is_causal=True)
+    do = torch.randn(2, 24, 2 * 16, generator=gen)
+    o.transpose(1, 2).reshape(2, 24, 2 * 16).backward(do)  # the model's reshape: a view, no copy
+    for name, t in (("O", o), *zip(("dQ", "dK", "dV"), (x.grad for x in leaves))):
+        assert t.stride() == bshd, f"{name}: strides {t.stride()}, not q's (B, S, H, D) layout"
+    exact = run(lambda *a: reference_attention(*a)[0], *(t.double() for t in (q, k, v, do.view(2, 24, 2, 16).transpose(1, 2))), True)
+    for name, x, ref in zip(("O", "dQ", "dK", "dV"), (o, *(t.grad for t in leaves)), exact):
+        assert rel_err(x, ref) <= 1e-5, f"{name}: relative error {rel_err(x, ref):.3g} vs float64 SDPA"
+    o, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    bwd_args = (o.detach().clone(), q, k, v, o, lse, True, 0.25, True)
+    for op, args in ((flash_attn_fwd, (q, k, v, True, 0.25)), (flash_attn_fwd_launch, (q, k, v, True, 0.25)),
+                     (flash_attn_bwd, bwd_args), (flash_attn_bwd_launch, bwd_args)):
+        assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
 
 
 def test_flash_compiles_with_strided_inputs(pytorch_path):

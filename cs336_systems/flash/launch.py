@@ -320,8 +320,18 @@ class _SharedScratch:
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor of t's shape, dtype and device (faster to ask for than torch.empty with them)."""
+    """An uninitialized tensor of t's shape, dtype and device for O or a gradient: in t's layout where t is a
+    (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's projections give q, k and
+    v), so that the model's reshape back to (B, S, H·D) copies nothing; contiguous otherwise."""
+    if t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def in_layout_of(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t (like's shape) in the layout `empty_like(like)` gives: t itself where it has it, else a copy."""
+    out = empty_like(like)
+    return t if t.stride() == out.stride() else out.copy_(t)
 
 
 def call_band(q: torch.Tensor, k: torch.Tensor, is_causal: bool, window: tuple[int, int]) -> tuple[int, int] | None:
@@ -804,8 +814,9 @@ def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOption
     if q.device.type == "cuda" or INTERPRET:
         return flash_forward_triton(q, k, v, is_causal, opts, scale, window=window)
     group = _group(q, k)
-    return flash_forward_tiled(q, _repeat_kv(k, group), _repeat_kv(v, group), is_causal, CPU_Q_TILE, CPU_K_TILE,
-                               scale=scale, band=call_band(q, k, is_causal, window))
+    o, lse = flash_forward_tiled(q, _repeat_kv(k, group), _repeat_kv(v, group), is_causal, CPU_Q_TILE, CPU_K_TILE,
+                                 scale=scale, band=call_band(q, k, is_causal, window))
+    return in_layout_of(q, o), lse
 
 
 def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS,
@@ -821,4 +832,4 @@ def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts:
     if group > 1:
         dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3).to(k.dtype)
         dv = dv.unflatten(-3, (v.shape[-3], group)).sum(-3).to(v.dtype)
-    return dq, dk, dv
+    return in_layout_of(q, dq), in_layout_of(k, dk), in_layout_of(v, dv)

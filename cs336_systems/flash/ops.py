@@ -331,7 +331,7 @@ def _backward(ctx, dO):
     refuse_double_backward("FlashAttention2Triton")
     L, Q, K, V, O = ctx.saved_tensors
     if Q.is_meta or not Q.numel():  # zeros: a GQA call with no query heads still has K and V
-        dQ, dK, dV = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (Q, K, V))
+        dQ, dK, dV = (empty_like(t).zero_() for t in (Q, K, V))
     elif ctx.opts is not DEFAULT_OPTIONS:
         dQ, dK, dV = _launch_eagerly_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.opts, ctx.window)
     elif torch.compiler.is_compiling():
@@ -395,9 +395,10 @@ def flash_attention(
     >= -1 raises (TypeError, ValueError) before any work.
 
     Under `torch.autocast` it follows autocast as SDPA does: q, k, v (floating, not float64) are cast to the
-    autocast dtype and the output is in that dtype. Outputs and gradients are contiguous whatever the inputs'
-    strides. A batch or head count of 0 gives empty outputs (and zero gradients); sequence lengths and the head
-    dim must be at least 1 (ValueError). Meta tensors give outputs of the right shapes, nothing computed.
+    autocast dtype and the output is in that dtype. Outputs and gradients are contiguous, except that a q (k, v)
+    that is a (B, H, S, D) view of (B, S, H, D) memory, as a model's projections give it, gets O and dQ (dK, dV) in
+    that layout, so that reshaping O back to (B, S, H·D) copies nothing (SDPA's layout). A batch or head count of 0
+    gives empty outputs (and zero gradients); sequence lengths and the head dim must be at least 1 (ValueError). Meta tensors give outputs of the right shapes, nothing computed.
     torch.compile traces it (fullgraph too); torch.func transforms (vmap, grad, jvp, ...) raise a RuntimeError.
     """
     if torch._C._are_functorch_transforms_active():  # before autograd.Function's message, which is for its authors
