@@ -9,6 +9,7 @@ so calls pass their tensors as they are, except inputs of more than four dims, w
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ class _Launcher:
         self.name = name
         self.tuned = isinstance(kernel, triton.runtime.Autotuner)
         self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
+        fn = kernel
+        while hasattr(fn, "fn"):  # the Python function under the autotuner, heuristics, JIT (or interpreter)
+            fn = fn.fn
+        # parameters a launch may leave out (the packed-sequence variant's, off by default)
+        self.defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()
+                         if p.default is not inspect.Parameter.empty}
         self.entries: dict[tuple, _Compiled] = {}
         # where the tensors and the specialized non-tensors sit among the arguments: each call site passes one
         # fixed layout, found at its first call
@@ -115,7 +122,7 @@ class _Launcher:
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
-        values = {**dict(zip(self.arg_names, args)), **constexprs}
+        values = {**self.defaults, **dict(zip(self.arg_names, args)), **constexprs}
         if self.tuned:
             values.update(self.kernel.best_config.kwargs)
             values.update({name: rule(values) for name, rule in autotune.EVEN_HEURISTICS.items()})
