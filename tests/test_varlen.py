@@ -285,3 +285,51 @@ def test_varlen_inductor_fullgraph_matches_eager():
     compiled = grads_of(torch.compile(step, fullgraph=True), q, k, v, do)
     for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
         assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The course LM on packed documents
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _document_loss(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross entropy within one document, and its target count."""
+    return F.cross_entropy(logits[:-1], tokens[1:], reduction="sum"), tokens.shape[0] - 1
+
+
+@pytest.mark.parametrize("attention", ["flash", "reference"])
+def test_lm_packed_documents_give_the_loss_of_documents_one_by_one(attention):
+    """A (2, 12) batch holding four documents (one of a single token, one across the row boundary): the packed
+    forward (cu_seqlens; attention within each document, RoPE from each document's start) gives each document's
+    logits and the same loss as running the documents one by one (fp32, small model)."""
+    from cs336_basics.model import BasicsTransformerLM
+
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                                attention=attention).to(DEVICE)
+    lengths = [5, 1, 12, 6]
+    tokens = torch.randint(0, 50, (sum(lengths),), device=DEVICE)
+    cu = cu_seqlens(lengths)
+    packed = model(tokens.view(2, 12), cu_seqlens=cu).flatten(0, 1)
+    packed_loss, one_by_one_loss, targets = 0.0, 0.0, 0
+    for first, stop in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = model(tokens[first:stop][None])[0]
+        assert max_err(packed[first:stop], alone) <= 1e-4, f"document at {first}: logits differ"
+        packed_part, count = _document_loss(packed[first:stop], tokens[first:stop])
+        packed_loss += packed_part
+        one_by_one_loss += _document_loss(alone, tokens[first:stop])[0]
+        targets += count
+    assert abs(packed_loss.item() - one_by_one_loss.item()) / targets <= 1e-5
+    (packed_loss / targets).backward()  # the packed step trains
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_lm_eos_token_marks_documents():
+    """eos_token_id: a document ends after each eos token and at each row's end; RoPE positions restart."""
+    from cs336_basics.model import PackedDocuments
+
+    tokens = torch.tensor([[3, 0, 4, 5, 0, 6], [7, 8, 0, 9, 9, 9]])
+    documents = PackedDocuments.from_eos(tokens, eos_token_id=0)
+    assert documents.cu_seqlens.tolist() == [0, 2, 5, 6, 9, 12]
+    assert documents.cu_seqlens.dtype == torch.int32 and documents.max_seqlen == 3
+    assert documents.positions.tolist() == [0, 1, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2]
