@@ -136,7 +136,8 @@ def refuse_double_backward(name: str) -> None:
 def check_varlen_inputs(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
                         max_seqlen_q: object, max_seqlen_k: object, is_causal: object) -> bool:
     """Check packed inputs q (total_q, H, D), k and v (total_k, Hkv, D) with Hkv dividing H, cu_seqlens_q and
-    cu_seqlens_k (int32, (batch + 1,), on q's device), max_seqlen_q and max_seqlen_k (ints >= 0) and the flag, from
+    cu_seqlens_k (int32, (batch + 1,), on q's device), max_seqlen_q and max_seqlen_k (ints >= 0; symbolic ones under
+    torch.compile) and the flag, from
     metadata alone (no device sync); return is_causal as a bool. `check_varlen_offsets` checks the offsets' values."""
     is_causal = check_flag("is_causal", is_causal)
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -166,7 +167,7 @@ def check_varlen_inputs(q: object, k: object, v: object, cu_seqlens_q: object, c
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer, torch.SymInt)):
             raise TypeError(f"{name} must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"{name} must be at least 0, got {n}")

@@ -216,6 +216,24 @@ def test_varlen_fullgraph_compile_aot_eager_matches_eager():
         assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
 
 
+def test_varlen_dynamic_compile_serves_several_batches():
+    """torch.compile(dynamic=True, fullgraph=True): one frame for packed batches of other totals, offsets and
+    max_seqlen (symbolic ints through the checks and the ops' fake kernels)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cs336_systems import flash_attention_varlen
+
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda a, b, c, cu, n: flash_attention_varlen(a, b, c, cu, cu, n, n, is_causal=True),
+                         backend=compiles, dynamic=True, fullgraph=True)
+    for i, lengths in enumerate(([9, 1, 20], [3, 17, 0, 5])):
+        q, k, v, do = packed_inputs(lengths, lengths, 2, 1, 16, torch.float32, seed=8 + i)
+        ours = grads_of(lambda a, b, c: step(a, b, c, cu_seqlens(lengths), max(lengths)), q, k, v, do)
+        assert_close_to_float64(ours, q, k, v, do, lengths, lengths, True, (-1, -1), ("abs", FP32_BOUND))
+    assert compiles.frame_count == 1, f"{compiles.frame_count} compiled frames for two batches"
+
+
 def test_varlen_ops_pass_opcheck():
     """torch.library.opcheck: schema, fake kernels, autograd registration of the varlen op pair."""
     from cs336_systems.flash.ops import flash_attn_varlen_bwd, flash_attn_varlen_fwd

@@ -503,6 +503,7 @@ def flash_attention_varlen(
     if _offsets_readable(cu_seqlens_q):
         check_varlen_offsets(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         check_varlen_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
-    o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                 is_causal, scale, *window)
+    max_seqlen_q, max_seqlen_k = (n if isinstance(n, torch.SymInt) else int(n) for n in (max_seqlen_q, max_seqlen_k))
+    o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                 *window)
     return o
