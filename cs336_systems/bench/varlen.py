@@ -3,7 +3,8 @@
 Section "packed": a packed batch of --tokens tokens (65,536) of long-tailed, seeded document lengths
 (`document_lengths`: --long-docs documents of --longest/2 to --longest tokens, 8k-16k by default, the rest short:
 log-normal, median 256, 1 to 4096 tokens), --n-heads heads (16), d 64 and 128, causal within each document, bf16.
-  flash_triton   ours: `flash_attention_varlen` on q, k, v (tokens, heads, d)
+  flash_triton   ours: `flash_attention_varlen` on q, k, v (tokens, heads, d), eager (its check of the offsets'
+                 values, one host read of cu_seqlens per call, included)
   flex           torch.compile(flex_attention) on (1, heads, tokens, d) with a document-causal block mask built once,
                  outside the timing
   sdpa_cudnn     every document padded to the longest: (documents, heads, longest, d), padded outside the timing,
