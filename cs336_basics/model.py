@@ -177,8 +177,11 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        # x: (batch, seq, d_model)
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
+        # x: (batch, seq, d_model); with `documents` its batch·seq tokens are packed documents
+        if documents is not None:
+            return self._forward_packed(x, documents)
         seq_len = x.shape[-2]
         q, k, v = (
             rearrange(proj(x), "... s (h d) -> ... h s d", h=self.num_heads)  # (batch, heads, seq, d_head)
@@ -200,6 +203,67 @@ class CausalMultiHeadSelfAttention(nn.Module):
             out = scaled_dot_product_attention(q, k, v, mask=mask)  # (batch, heads, seq, d_head)
         return self.output_proj(rearrange(out, "... h s d -> ... s (h d)"))  # (batch, seq, d_model)
 
+    def _forward_packed(self, x: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
+        """Causal attention within each document of the batch·seq tokens of x, RoPE positions from each document's
+        start: `flash_attention_varlen` ("flash"), or a block-diagonal causal mask ("reference")."""
+        batch, seq_len = x.shape[:2]
+        q, k, v = (
+            rearrange(proj(x), "b s (h d) -> h (b s) d", h=self.num_heads)  # (heads, tokens, d_head)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if self.rope is not None:
+            q = self.rope(q, documents.positions)
+            k = self.rope(k, documents.positions)
+        if self.attention == "flash":
+            from cs336_systems.flash_triton import flash_attention_varlen
+
+            cu = documents.cu_seqlens
+            out = flash_attention_varlen(*(t.transpose(0, 1) for t in (q, k, v)), cu, cu, documents.max_seqlen,
+                                         documents.max_seqlen, is_causal=True)  # (tokens, heads, d_head)
+            out = rearrange(out, "(b s) h d -> b s (h d)", b=batch)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask=documents.mask())  # (heads, tokens, d_head)
+            out = rearrange(out, "h (b s) d -> b s (h d)", b=batch)
+        return self.output_proj(out)  # (batch, seq, d_model)
+
+
+@dataclass(frozen=True)
+class PackedDocuments:
+    """Documents packed into the batch·seq tokens of a batch, in order: document i is tokens cu_seqlens[i]:[i + 1]
+    (int32 (documents + 1,) offsets, as `flash_attention_varlen` takes them); positions: each token's index within
+    its document (RoPE restarts at each document); max_seqlen: the longest document."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+
+    @classmethod
+    def from_offsets(cls, cu_seqlens: torch.Tensor) -> PackedDocuments:
+        """From offsets (reads them on the host once: max_seqlen)."""
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        total = int(cu_seqlens[-1])
+        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+        positions = torch.arange(total, device=cu_seqlens.device) - starts
+        return cls(cu_seqlens, int(lengths.max()) if lengths.numel() else 0, positions)
+
+    @classmethod
+    def from_eos(cls, in_indices: torch.Tensor, eos_token_id: int) -> PackedDocuments:
+        """The documents of (batch, seq) token ids: each ends after an eos token or at the end of its row."""
+        batch, seq_len = in_indices.shape
+        ends = (in_indices == eos_token_id)
+        ends[:, -1] = True
+        stops = ends.flatten().nonzero().flatten() + 1
+        zero = torch.zeros(1, dtype=stops.dtype, device=stops.device)
+        return cls.from_offsets(torch.cat((zero, stops)))
+
+    def mask(self) -> torch.Tensor:
+        """(tokens, tokens) bool: causal within each document (the materialized attention's mask)."""
+        total = self.positions.shape[0]
+        doc = torch.repeat_interleave(torch.arange(self.cu_seqlens.shape[0] - 1, device=self.positions.device),
+                                      self.cu_seqlens[1:] - self.cu_seqlens[:-1], output_size=total)
+        return (doc[:, None] == doc[None, :]) & causal_mask(total, total, device=self.positions.device)
+
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(ln1(x)), then x + ffn(ln2(x))."""
@@ -215,8 +279,9 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), token_positions)  # (batch, seq, d_model)
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), token_positions, documents)  # (batch, seq, d_model)
         return x + self.ffn(self.ln2(x))
 
 
@@ -294,13 +359,28 @@ class BasicsTransformerLM(nn.Module):
             attention=attention,
         )
 
-    def forward(self, in_indices: torch.Tensor) -> torch.Tensor:
-        # in_indices: (batch, seq) int64 -> logits (batch, seq, vocab)
+    def forward(self, in_indices: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                eos_token_id: int | None = None) -> torch.Tensor:
+        """in_indices: (batch, seq) int64 -> logits (batch, seq, vocab).
+
+        Packed documents: with `cu_seqlens` (int32 offsets of documents over the batch·seq tokens in order, as
+        `flash_attention_varlen` takes them) or `eos_token_id` (a document ends after each eos token and at the end
+        of each row), a token attends only to the tokens of its own document before it, and RoPE positions restart
+        at each document (`PackedDocuments`): a packed batch computes what its documents would one by one."""
         seq_len = in_indices.shape[-1]
         if seq_len > self.context_length:
             raise ValueError(f"sequence length {seq_len} exceeds context_length={self.context_length}")
+        documents = None
+        if cu_seqlens is not None and eos_token_id is not None:
+            raise ValueError("give cu_seqlens or eos_token_id, not both")
+        if cu_seqlens is not None:
+            documents = PackedDocuments.from_offsets(cu_seqlens)
+        elif eos_token_id is not None:
+            documents = PackedDocuments.from_eos(in_indices, eos_token_id)
+        if documents is not None and documents.positions.shape[0] != in_indices.numel():
+            raise ValueError(f"cu_seqlens cover {documents.positions.shape[0]} tokens, the batch has {in_indices.numel()}")
         positions = torch.arange(seq_len, device=in_indices.device)  # (seq,)
         x = self.token_embeddings(in_indices)  # (batch, seq, d_model)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions, documents)
         return self.lm_head(self.ln_final(x))  # (batch, seq, vocab)

@@ -1,6 +1,7 @@
 """cs336-systems: FlashAttention-2 (PyTorch and Triton), data-parallel training, benchmarks.
 
-`from cs336_systems import flash_attention` gives the SDPA-style attention op. The names load on
+`from cs336_systems import flash_attention` gives the SDPA-style attention op (`flash_attention_varlen`: its
+packed-sequence form). The names load on
 first use, so importing the package (e.g. for `cs336-bench --help`) imports neither Triton nor the
 kernels, and TRITON_INTERPRET can still be set before they are defined.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 _LAZY = {
     "flash_attention": "cs336_systems.flash_triton",
+    "flash_attention_varlen": "cs336_systems.flash_triton",
     "FlashAttention2Triton": "cs336_systems.flash_triton",
     "FlashAttention2Pytorch": "cs336_systems.flash_pytorch",
 }

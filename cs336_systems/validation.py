@@ -73,13 +73,7 @@ def _check_one_by_one(q: object, k: object, v: object, is_causal: object, enable
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     is_causal = check_flag("is_causal", is_causal)
     enable_gqa = check_flag("enable_gqa", enable_gqa)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: float32, float16, bfloat16")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_dtypes_and_device(q, k, v)
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(
             "q, k, v must have the same number of dimensions (..., seq, d) with at least 2, "
@@ -110,6 +104,17 @@ def _check_one_by_one(q: object, k: object, v: object, is_causal: object, enable
     return is_causal
 
 
+def _check_dtypes_and_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k, v: supported dtypes, one dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: float32, float16, bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
 def _heads_differ(q_shape: torch.Size, k_shape: torch.Size) -> str:
     """The message for q and k, v differing only in dim -3 (heads, or the batch of (batch, seq, d) inputs)."""
     hq, hk = q_shape[-3], k_shape[-3]
@@ -126,3 +131,62 @@ def refuse_double_backward(name: str) -> None:
         raise RuntimeError(
             f"{name}'s backward is not differentiable (double backward, e.g. a gradient penalty through "
             "attention, is not supported); use the materialized reference attention for that")
+
+
+def check_varlen_inputs(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
+                        max_seqlen_q: object, max_seqlen_k: object, is_causal: object) -> bool:
+    """Check packed inputs q (total_q, H, D), k and v (total_k, Hkv, D) with Hkv dividing H, cu_seqlens_q and
+    cu_seqlens_k (int32, (batch + 1,), on q's device), max_seqlen_q and max_seqlen_k (ints >= 0; symbolic ones under
+    torch.compile) and the flag, from
+    metadata alone (no device sync); return is_causal as a bool. `check_varlen_offsets` checks the offsets' values."""
+    is_causal = check_flag("is_causal", is_causal)
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    assert isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+    _check_dtypes_and_device(q, k, v)
+    if not (q.ndim == k.ndim == v.ndim == 3):
+        raise ValueError("packed q, k, v must be (total, heads, d), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dims differ: q {q.shape[2]}, k and v {k.shape[2]}")
+    if q.shape[2] < 1 or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"k, v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}), and the head dim "
+                         f"({q.shape[2]}) be at least 1")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be at least 0, got {n}")
+    return is_causal
+
+
+def check_varlen_offsets(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> None:
+    """The values of cu_seqlens (`name`, checked by `check_varlen_inputs`): 0 first, non-decreasing, `total` last, no
+    sequence longer than max_seqlen. Reads the offsets on the host: a device sync for CUDA tensors."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {offsets[i]} > "
+                             f"{name}[{i + 1}] = {offsets[i + 1]}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{name.replace('cu_seqlens', 'max_seqlen')} is {max_seqlen}, but a sequence has "
+                         f"{max(lengths)} rows")

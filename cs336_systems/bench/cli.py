@@ -47,6 +47,7 @@ from cs336_systems.bench import (
     profile,
     report,
     resources,
+    varlen,
 )
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 PROBLEMS: dict[str, ModuleType] = {
     m.NAME: m for m in (attention, model, memory, flash, leaderboard, grid, overhead, autotune, coldstart,
-                        resources, allreduce, ddp, precision, profile)
+                        resources, allreduce, ddp, precision, profile, varlen)
 }
 DEFAULT_OUT = Path("runs")
 INTERRUPTED = 130  # the shell's exit status for SIGINT

@@ -4,7 +4,8 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
 
   forward                                           | design
   --------------------------------------------------|------------------------------
-  CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward)
+  CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward, per sequence if packed)
+  packed sequences (`varlen`)                       | TRITON (unsplit, block pointers: no TMA, no Gluon)
   a sliding window (`band` not None)                | TRITON (unsplit; the Gluon kernels have no window)
   work >= GLUON_FWD_MIN_WORK, sm_90, 16-bit, d 64/128,
   a layout Gluon takes                              | GLUON
@@ -13,7 +14,8 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
 
   backward                                          | design
   --------------------------------------------------|------------------------------
-  CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward)
+  CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward, per sequence if packed)
+  packed sequences, whatever `deterministic`        | TRITON_TWO_PASS, unsplit, both passes in Triton, no TMA
   a sliding window, deterministic False             | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic not True, work >= gluon_bwd_min_work(d),
@@ -24,7 +26,10 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
 CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed
-call never splits: its reduction is bounded by the band, not by the sequence.
+call never splits: its reduction is bounded by the band, not by the sequence. Packed sequences (`varlen`: q, k, v
+(total, heads, D) with cu_seqlens) run the kernels' IS_VARLEN variant, a program per (sequence·head, tile) of a grid
+sized by the longest sequence, on block pointers (`uses_tma`); the window's tile skipping applies within each
+sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).
@@ -127,6 +132,7 @@ class Call:
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
     window: bool = False  # a sliding window (`band` not None): the Triton kernels, unsplit
+    varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels on block pointers, unsplit, two-pass
 
     @property
     def work(self) -> int:
@@ -168,7 +174,7 @@ def split_rows(programs: int, n_rows: int, n_reduce: int, causal: bool, sms: int
 
 
 def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
-    if call.window:
+    if call.window or call.varlen:
         return 0
     if opts.split_rows is not None:
         return opts.split_rows
@@ -178,7 +184,7 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 
 def _gluon_wanted(flag: bool | None, call: Call, min_work: int) -> bool:
-    if call.window:
+    if call.window or call.varlen:
         return False
     return call.work >= min_work if flag is None else flag
 
@@ -192,6 +198,8 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
     """(design, rows per key chunk where the forward splits)."""
     if not call.kernels:
         return Forward.PYTORCH, 0
+    if call.varlen:
+        return Forward.TRITON, 0
     chunk = _split(opts, call, call.n_q, call.n_k)
     if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK) and not chunk and call.tma and call.gluon_fwd:
         return Forward.GLUON, 0
@@ -201,6 +209,8 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
 def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> BackwardChoice:
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
+    if call.varlen:  # (the IS_VARLEN variant has no atomic dQ: the two-pass design, bitwise repeatable)
+        return BackwardChoice(Backward.TRITON_TWO_PASS)
     gluon = _gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d)) and opts.skip_masked_tiles and call.tma
     if opts.deterministic is not True and gluon and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
@@ -217,15 +227,22 @@ def inlined(call: Call, backward: bool = False) -> bool:
     """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
     launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
     min_work = gluon_bwd_min_work(call.d) if backward else GLUON_FWD_MIN_WORK
-    return (call.kernels and call.sms > 0 and call.work < min_work and not call.window
+    return (call.kernels and call.sms > 0 and call.work < min_work and not call.window and not call.varlen
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
+
+
+def uses_tma(call: Call) -> bool:
+    """Whether the Triton kernels load through TMA descriptors: where the call's layout allows it (`Call.tma`), but not
+    for packed sequences, whose per-sequence bounds are block pointers' shapes."""
+    return call.tma and not call.varlen
 
 
 def band(window: tuple[int, int], is_causal: bool, n_q: int, n_k: int) -> tuple[int, int] | None:
     """A window (left, right) (-1: unbounded) as the kernels take it: bounds (left, right) with query i seeing keys
     [i - left, i + right], causal folded in (right 0) and unbounded sides as the lengths; None where the window
-    hides nothing that `is_causal` alone does not, so that the call runs the unwindowed kernels."""
+    hides nothing that `is_causal` alone does not, so that the call runs the unwindowed kernels. For packed sequences
+    n_q and n_k are the longest sequence's lengths (a window that hides nothing there hides nothing anywhere)."""
     left, right = window
     hides_left = 0 <= left < n_q - 1   # the last query misses key 0
     hides_right = 0 <= right < n_k - 1  # the first query misses the last key

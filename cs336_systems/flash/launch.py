@@ -9,6 +9,7 @@ so calls pass their tensors as they are, except inputs of more than four dims, w
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ class _Launcher:
         self.name = name
         self.tuned = isinstance(kernel, triton.runtime.Autotuner)
         self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
+        fn = kernel
+        while hasattr(fn, "fn"):  # the Python function under the autotuner, heuristics, JIT (or interpreter)
+            fn = fn.fn
+        # parameters a launch may leave out (the packed-sequence variant's, off by default)
+        self.defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()
+                         if p.default is not inspect.Parameter.empty}
         self.entries: dict[tuple, _Compiled] = {}
         # where the tensors and the specialized non-tensors sit among the arguments: each call site passes one
         # fixed layout, found at its first call
@@ -115,7 +122,7 @@ class _Launcher:
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
-        values = {**dict(zip(self.arg_names, args)), **constexprs}
+        values = {**self.defaults, **dict(zip(self.arg_names, args)), **constexprs}
         if self.tuned:
             values.update(self.kernel.best_config.kwargs)
             values.update({name: rule(values) for name, rule in autotune.EVEN_HEURISTICS.items()})
@@ -833,3 +840,144 @@ def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts:
         dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3).to(k.dtype)
         dv = dv.unflatten(-3, (v.shape[-3], group)).sum(-3).to(v.dtype)
     return in_layout_of(q, dq), in_layout_of(k, dk), in_layout_of(v, dv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed sequences (varlen): q (total_q, H, D), k and v (total_k, Hkv, D), sequence b at rows cu_seqlens[b]:[b + 1]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _packed_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """A packed (total, heads, D) tensor's strides as the kernels' (batch, head, seq, d) strides: batch 0 (the IS_VARLEN
+    kernels offset each sequence's rows themselves)."""
+    return (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def varlen_band(window: tuple[int, int], is_causal: bool, max_seqlen_q: int,
+                max_seqlen_k: int) -> tuple[int, int] | None:
+    """A packed call's `chooser.band`, bounded by its longest sequences."""
+    return None if window == NO_WINDOW else chooser.band(window, is_causal, max(max_seqlen_q, 1), max(max_seqlen_k, 1))
+
+
+def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                is_causal: bool, band: tuple[int, int] | None) -> chooser.Call:
+    """The chooser's view of a packed call (lengths: the longest sequences')."""
+    index = device_index(q)
+    runs = q.is_cuda or INTERPRET
+    tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v)
+    return chooser.Call(batch, q.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], is_causal, runs,
+                        0 if index is None else chooser.sm_count(index), tma, False, False, False, band is not None,
+                        varlen=True)
+
+
+def _varlen_launch(kernel, name: str, call: chooser.Call, q: torch.Tensor, grid_rows: int, grid_heads: int,
+                   args: tuple, band: tuple[int, int] | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   **constexprs) -> None:
+    """Launch an IS_VARLEN kernel through Triton (a grid of (sequences·grid_heads, tiles of grid_rows)), its tiles
+    from the tuning table at the longest sequences' lengths, every bounds check on (the lengths vary)."""
+    d = q.shape[2]
+    d_tile = padded_dim(d)
+    config = tile_config(name, DEFAULT_OPTIONS, q, d_tile, call.causal, max(call.n_q, 1), max(call.n_k, 1))
+    meta = config.constexprs()
+    window, has_window = _window_args(band)
+    grid = TilesGrid(call.batch * grid_heads, grid_rows, "Q_TILE_SIZE" if name != "kv" else "K_TILE_SIZE")(meta)
+    kernel[grid](*args, *window, D=d, D_TILE=d_tile, is_causal=call.causal, SKIP_MASKED_TILES=True,
+                 USE_TMA=chooser.uses_tma(call), PRECISION=chooser.precision(q.dtype), CHECK_Q=True, CHECK_K=True,
+                 CHECK_D=d != d_tile, **has_window, IS_VARLEN=True, CU_SEQLENS_Q=cu_seqlens_q,
+                 CU_SEQLENS_K=cu_seqlens_k, **meta, **constexprs)
+
+
+def varlen_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                          scale: float, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (total_q, H, D) and L (H, total_q) fp32 of checked packed inputs, by the forward kernel's IS_VARLEN variant."""
+    _check_launchable(q)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return varlen_forward_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                         scale, window)
+    total_q, heads, _ = q.shape
+    o = empty_like(q)
+    lse = q.new_empty((heads, total_q), dtype=torch.float32)
+    batch = cu_seqlens_q.shape[0] - 1
+    if not (batch and total_q):
+        return o, lse
+    band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
+    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band)
+    assert chooser.forward_design(call) == (Forward.TRITON, 0)
+    _varlen_launch(kernels.flash_fwd_kernel, "fwd", call, q, max_seqlen_q, heads,
+                   (q, k, v, o, lse, *map(_packed_strides, (q, k, v, o)), heads, heads // k.shape[1], total_q,
+                    k.shape[0], scale, 0), band, cu_seqlens_q, cu_seqlens_k, SPLIT=False)
+    return o, lse
+
+
+def varlen_backward_triton(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+                           window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of a packed call by the two-pass design's IS_VARLEN passes (the dQ pass with the pre-pass fused,
+    then the dK/dV pass); dO of any strides."""
+    _check_launchable(q)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return varlen_backward_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, is_causal, scale, window)
+    total_q, heads, _ = q.shape
+    total_k, kv_heads, _ = k.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    if not (batch and total_q and total_k):  # no query, or no key: every gradient is 0
+        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    delta = q.new_empty((heads, total_q), dtype=torch.float32)
+    band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
+    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band)
+    assert chooser.backward_design(call) == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
+    sizes = (heads, heads // kv_heads, total_q, total_k, scale, 0)
+    _varlen_launch(kernels.flash_bwd_dq_kernel, "dq", call, q, max_seqlen_q, heads,
+                   (q, k, v, do, lse, delta, dq, o, do, *map(_packed_strides, (q, k, v, do, dq, o, do)), *sizes),
+                   band, cu_seqlens_q, cu_seqlens_k, DP_FIRST=True, FUSED_PREP=True, COPY_DO=False, SPLIT=False)
+    _varlen_launch(kernels.flash_bwd_kv_kernel, "kv", call, q, max_seqlen_k, kv_heads,
+                   (q, k, v, do, lse, delta, dk, dv, dk, *map(_packed_strides, (q, k, v, do, dk, dv)), *sizes),
+                   band, cu_seqlens_q, cu_seqlens_k, DP_FIRST=True, DQ_ATOMIC=False, SPLIT=False)
+    return dq, dk, dv
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(first query, stop, first key, stop) of each sequence (reads the offsets on the host)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return list(zip(cq[:-1], cq[1:], ck[:-1], ck[1:]))
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                             is_causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW):
+    """(O, L) of a packed call: the IS_VARLEN kernels, or on a CPU without the interpreter the tiled PyTorch forward
+    sequence by sequence (a sequence without keys: O = 0, L = -inf)."""
+    if q.device.type == "cuda" or INTERPRET:
+        return varlen_forward_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, window)
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 > q0 and k1 > k0:  # (as (H, S, D) views)
+            o_b, lse_b = attention_forward(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                                           v[k0:k1].transpose(0, 1), is_causal, scale, window=window)
+            o[q0:q1] = o_b.transpose(0, 1)
+            lse[:, q0:q1] = lse_b
+    return o, lse
+
+
+def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                              max_seqlen_k: int, is_causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW):
+    """(dQ, dK, dV) of a packed call: the IS_VARLEN kernels, or the recomputing PyTorch backward sequence by sequence."""
+    if q.device.type == "cuda" or INTERPRET:
+        return varlen_backward_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      is_causal, scale, window)
+    dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 > q0 and k1 > k0:
+            grads = attention_backward(*(t[q0:q1].transpose(0, 1) for t in (do, q)),
+                                       *(t[k0:k1].transpose(0, 1) for t in (k, v)), o[q0:q1].transpose(0, 1),
+                                       lse[:, q0:q1], is_causal, scale, window=window)
+            for out, (first, stop), grad in zip((dq, dk, dv), ((q0, q1), (k0, k1), (k0, k1)), grads):
+                out[first:stop] = grad.transpose(0, 1)
+    return dq, dk, dv

@@ -9,6 +9,9 @@ running the launchers; so does an eager call of the ops, and a call with a slidi
 `window_right`; -1 unbounded). No graph break either way; CUDA graphs capture both. An eager call never reaches
 them: they are registered when torch._dynamo loads (`_register_traced_ops`), since registering a triton_op imports
 Inductor, which made importing the op take seconds.
+
+Packed sequences (`flash_attention_varlen`) go through one opaque custom-op pair, `cs336::flash_attn_varlen_fwd`
+(with its autograd) and `cs336::flash_attn_varlen_bwd`, in eager calls and traced ones alike.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ from cs336_systems.flash.c_launch import scratch
 from cs336_systems.flash.chooser import DEFAULT_OPTIONS, NO_WINDOW, OPTIONS, KernelOptions
 from cs336_systems.flash.launch import (
     INTERPRET, TilesGrid, as_bhsd, attention_backward, attention_forward, check_head_dim, empty_like,
-    tile_config, tma_strides_ok, tma_wanted,
+    tile_config, tma_strides_ok, tma_wanted, varlen_attention_backward, varlen_attention_forward,
 )
 from cs336_systems.flash.triton_kernels import flash_bwd_dq_flat_kernel, flash_bwd_kv_flat_kernel, \
     flash_fwd_flat_kernel
 from cs336_systems.flash.tuning import even_flags, padded_dim
-from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, check_window, \
-    refuse_double_backward
+from cs336_systems.validation import check_attention_inputs, check_flag, check_scale, check_varlen_inputs, \
+    check_varlen_offsets, check_window, refuse_double_backward
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -407,3 +410,101 @@ def flash_attention(
             "use autograd (loss.backward() or torch.autograd.grad); for vmap fold the mapped dim into the leading "
             "dims, which take any number of batch dims")
     return FlashAttention2Triton.apply(q, k, v, is_causal, scale, enable_gqa, deterministic, window)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed sequences (varlen)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cs336::flash_attn_varlen_fwd", mutates_args=(), device_types=None)
+def flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                          scale: float, window_left: int = -1,
+                          window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O (total_q, H, D), L (H, total_q)) of checked packed inputs (`flash_attention_varlen`)."""
+    return varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                    scale, (window_left, window_right))
+
+
+@flash_attn_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left=-1,
+      window_right=-1):
+    return empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::flash_attn_varlen_bwd", mutates_args=(), device_types=None)
+def flash_attn_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, window_left: int = -1,
+                          window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of `flash_attn_varlen_fwd` (the two-pass design: bitwise repeatable)."""
+    return varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     is_causal, scale, (window_left, window_right))
+
+
+@flash_attn_varlen_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left=-1,
+      window_right=-1):
+    return tuple(empty_like(t) for t in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *rest = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.rest = tuple(rest)  # max_seqlen_q, max_seqlen_k, is_causal, scale[, window_left, window_right]
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = flash_attn_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.rest)
+    return dq, dk, dv, *(None,) * (2 + len(ctx.rest))
+
+
+flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def _offsets_readable(cu_seqlens: torch.Tensor) -> bool:
+    """Whether the offsets' values can be read on the host here: an eager call on real tensors, not under CUDA-graph
+    capture (nothing may sync there)."""
+    return (not torch.compiler.is_compiling() and _plain(cu_seqlens) and not cu_seqlens.is_meta
+            and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def flash_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, is_causal: bool = False, scale: float | None = None,
+    window: tuple[int, int] = NO_WINDOW, deterministic: bool | None = None,
+) -> torch.Tensor:
+    """Attention over packed sequences (flash-attn's varlen layout): q (total_q, H, D), k and v (total_k, Hkv, D), Hkv
+    dividing H (grouped-query heads); cu_seqlens_q, cu_seqlens_k int32 (batch + 1,) on q's device, starting at 0,
+    non-decreasing, ending at total_q (total_k): sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] of q (of k, v),
+    and its queries see only its keys. max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (they
+    size the grid; larger is allowed). Returns O (total_q, H, D) in q's dtype, contiguous.
+
+    Within each sequence `is_causal`, `scale` and `window` mean what they mean for `flash_attention`: causal top-left
+    aligned (query i sees key j iff i >= j, also when its lengths differ), window (left, right) with query i seeing
+    key j iff i - left <= j <= i + right (-1 unbounded), key tiles outside the band skipped. A query that sees no key
+    (a sequence with no keys, or a window past them) gets output 0 and zero gradients. Sequences of length 0 and 1
+    are allowed. fp32, bf16, fp16; head dims up to 256.
+
+    The backward is always the two-pass design (bitwise repeatable); `deterministic` is checked and otherwise has no
+    effect. Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
+    (0 first, non-decreasing, the total last, no sequence longer than max_seqlen), which reads them on the host: one
+    device sync per call for CUDA offsets. Under torch.compile and CUDA-graph capture only the metadata is checked.
+    torch.compile(fullgraph=True) takes the call whole (opaque custom ops `cs336::flash_attn_varlen_fwd`/`_bwd`).
+    """
+    is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
+    window = check_window(window) if window is not NO_WINDOW else window
+    scale = check_scale(scale, q.shape[-1])
+    deterministic_flag(deterministic)
+    check_head_dim(q.shape[-1])
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if _offsets_readable(cu_seqlens_q):
+        check_varlen_offsets(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        check_varlen_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    max_seqlen_q, max_seqlen_k = (n if isinstance(n, torch.SymInt) else int(n) for n in (max_seqlen_q, max_seqlen_k))
+    o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                 *window)
+    return o

@@ -17,6 +17,9 @@ diagonal (and a ragged last tile) with MASKED=True. With HAS_WINDOW (a sliding w
 [i - WINDOW_LEFT, i + WINDOW_RIGHT], causal folded into WINDOW_RIGHT by the host) they run over the tiles that
 intersect the band only: masked where its edges cut a tile, unmasked inside it; a row that sees no key gets
 O = 0 and L = -inf. Causal grids run the longest tiles first.
+With IS_VARLEN (packed sequences, the forward and the two-pass backward's passes) a program's batch index is a
+sequence of a packed batch: its rows, [cu_seqlens[b], cu_seqlens[b + 1]) of the (total, heads, D) inputs, and
+its length come from the cu_seqlens arrays (`_varlen_sequence`); tiles past its length return at once.
 Scores are kept in base 2 (`qk_scale = scale·log2 e`, exp2) and converted back for L, which is in
 natural log as the handout defines it. Causally hidden scores are excluded exactly (-inf before the
 softmax, 0 after). Head dims that are not a power of two are padded inside the kernel (zero-filled
@@ -329,6 +332,26 @@ def _row_tile_program(N_HEADS, TILE: tl.constexpr, D_TILE: tl.constexpr):
 
 
 @triton.jit
+def _varlen_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq):
+    """Sequence `seq` of a packed batch: (its first query row, its queries, its first key row, its keys)."""
+    q_first = tl.load(CU_SEQLENS_Q + seq)
+    k_first = tl.load(CU_SEQLENS_K + seq)
+    n_q = tl.load(CU_SEQLENS_Q + seq + 1) - q_first
+    n_k = tl.load(CU_SEQLENS_K + seq + 1) - k_first
+    return q_first.to(tl.int64), n_q, k_first.to(tl.int64), n_k
+
+
+@triton.jit
+def _lse_row(batch_head, head, n_rows, total_rows, first_row, IS_VARLEN: tl.constexpr):
+    """Where a program's rows start in L (and delta): (batch·heads, n_rows) contiguous, or with IS_VARLEN
+    (heads, total_rows) with the sequence's rows from first_row."""
+    if IS_VARLEN:
+        return head * total_rows + first_row
+    else:
+        return batch_head.to(tl.int64) * n_rows
+
+
+@triton.jit
 def _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                 D: tl.constexpr, K_TILE_SIZE: tl.constexpr, D_TILE: tl.constexpr, USE_TMA: tl.constexpr):
     """Tile sources of one (batch, K/V head)'s K and V."""
@@ -361,18 +384,32 @@ def flash_fwd_kernel(
     D: tl.constexpr, D_TILE: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr = False, CU_SEQLENS_Q=None, CU_SEQLENS_K=None,
 ):
     """Grid (batch·heads, query tiles[, key chunks]). L is contiguous (batch·heads, N_QUERIES), natural log.
 
     With SPLIT, program (·, ·, c) sees only keys [c·CHUNK, (c+1)·CHUNK) and writes its normalized O
     (fp32) and L into chunk c of (chunks, batch·heads, N_QUERIES, D_TILE) and (chunks, batch·heads,
     N_QUERIES) buffers (L = -inf and O = 0 where it sees no key); `flash_fwd_combine_kernel` merges them.
+
+    With IS_VARLEN (not with SPLIT) batch b is sequence b of packed inputs: the strides' batch entries are 0, N_QUERIES
+    and N_KEYS are the total rows, L is (heads, total queries), and a sequence without keys gets O = 0, L = -inf.
     """
     O_ptr += _chunk_offset(N_QUERIES, D_TILE, SPLIT)
     L_ptr += _chunk_offset(N_QUERIES, 1, SPLIT)
     batch_head, batch, head, kv_head, q_start = _query_program(N_HEADS, KV_GROUP, Q_TILE_SIZE,
                                                                is_causal and SKIP_MASKED_TILES)
+    q_first, total_q = 0, 0
+    if IS_VARLEN:
+        tl.static_assert(not SPLIT, "packed sequences are not split")
+        total_q = N_QUERIES
+        q_first, N_QUERIES, k_first, N_KEYS = _varlen_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, batch)
+        if q_start >= N_QUERIES:
+            return
+        Q_ptr += q_first * stride_q[2]
+        O_ptr += q_first * stride_o[2]
+        K_ptr += k_first * stride_k[2]
+        V_ptr += k_first * stride_v[2]
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     q, k_src, v_src = _query_tile_sources(Q_ptr, K_ptr, V_ptr, stride_q, stride_k, stride_v, batch, head, kv_head,
                                           q_start, N_QUERIES, N_KEYS, D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, CHECK_Q,
@@ -405,14 +442,14 @@ def flash_fwd_kernel(
                                WINDOW_LEFT, WINDOW_RIGHT, K_TILE_SIZE, True, is_causal, CHECK_K, CHECK_D, USE_TMA,
                                PRECISION, HAS_WINDOW)
 
-    if HAS_WINDOW:  # a row whose window holds no key: L = -inf (and O = 0 below)
+    if HAS_WINDOW or IS_VARLEN:  # a row whose window (or sequence) holds no key: L = -inf (and O = 0 below)
         m_i = tl.where(l_i > 0, m_i, float("-inf"))
-    if SPLIT or HAS_WINDOW:  # a chunk past the causal diagonal sees no key: O = 0, and L = -inf from m_i (weight 0)
+    if SPLIT or HAS_WINDOW or IS_VARLEN:  # a chunk past the causal diagonal sees no key: O = 0, L = -inf from m_i
         l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2
     _store_tile(o_dst, q_start, acc, CHECK_Q, CHECK_D, USE_TMA)
-    l_ptrs = L_ptr + batch_head.to(tl.int64) * N_QUERIES + offs_q
+    l_ptrs = L_ptr + _lse_row(batch_head, head, N_QUERIES, total_q, q_first, IS_VARLEN) + offs_q
     if CHECK_Q:
         tl.store(l_ptrs, lse, mask=offs_q < N_QUERIES)
     else:
@@ -509,13 +546,15 @@ def flash_bwd_kv_kernel(
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, DP_FIRST: tl.constexpr, SPLIT: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False, CU_SEQLENS_Q=None, CU_SEQLENS_K=None,
 ):
     """Grid (batch·kv_heads, key tiles[, query chunks]); key tile 0 (the longest under causal masking) first.
 
     L (natural log) and delta are contiguous (batch·heads, N_QUERIES). dQacc is fp32
     (batch·heads, N_QUERIES, D_TILE), used only with DQ_ATOMIC. With SPLIT, program (·, ·, c) sees only
     queries [c·CHUNK, (c+1)·CHUNK) and writes its dK, dV into chunk c of fp32 (chunks, batch·kv_heads,
-    N_KEYS, D_TILE) buffers, summed by `flash_split_sum_kernel`.
+    N_KEYS, D_TILE) buffers, summed by `flash_split_sum_kernel`. With IS_VARLEN (packed sequences, as in
+    `flash_fwd_kernel`; neither DQ_ATOMIC nor SPLIT) L and delta are (heads, total queries).
     """
     dK_ptr += _chunk_offset(N_KEYS, D_TILE, SPLIT)
     dV_ptr += _chunk_offset(N_KEYS, D_TILE, SPLIT)
@@ -524,6 +563,19 @@ def flash_bwd_kv_kernel(
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
     k_start = tl.program_id(1) * K_TILE_SIZE
+    q_first, total_q = 0, 0
+    if IS_VARLEN:
+        tl.static_assert(not (SPLIT or DQ_ATOMIC), "packed sequences run the unsplit two-pass backward")
+        total_q = N_QUERIES
+        q_first, N_QUERIES, k_first, N_KEYS = _varlen_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, batch)
+        if k_start >= N_KEYS:
+            return
+        Q_ptr += q_first * stride_q[2]
+        dO_ptr += q_first * stride_do[2]
+        K_ptr += k_first * stride_k[2]
+        V_ptr += k_first * stride_v[2]
+        dK_ptr += k_first * stride_dk[2]
+        dV_ptr += k_first * stride_dv[2]
 
     k_src, v_src = _kv_sources(K_ptr, V_ptr, batch, kv_head, stride_k, stride_v, N_KEYS,
                                D, K_TILE_SIZE, D_TILE, USE_TMA)
@@ -552,8 +604,9 @@ def flash_bwd_kv_kernel(
                                                block_shape=[Q_TILE_SIZE, D_TILE])
         else:
             dq_dst = dq_base
-        row_L = L_ptr + batch_head * N_QUERIES
-        row_delta = Delta_ptr + batch_head * N_QUERIES
+        row = _lse_row(batch_head, head, N_QUERIES, total_q, q_first, IS_VARLEN)
+        row_L = L_ptr + row
+        row_delta = Delta_ptr + row
         lo, hi = _in_chunk(start, full_start, CHUNK, SPLIT)
         dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_src, do_src, dq_dst, row_L, row_delta, offs_k,
                                lo, hi, N_QUERIES, N_KEYS, qk_scale, WINDOW_LEFT, WINDOW_RIGHT, Q_TILE_SIZE, D_TILE,
@@ -583,6 +636,7 @@ def flash_bwd_dq_kernel(
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     DP_FIRST: tl.constexpr, FUSED_PREP: tl.constexpr, COPY_DO: tl.constexpr, SPLIT: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, CHECK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False, CU_SEQLENS_Q=None, CU_SEQLENS_K=None,
 ):
     """Grid (batch·heads, query tiles), longest first: dQ from every key tile a query tile sees.
 
@@ -591,17 +645,31 @@ def flash_bwd_dq_kernel(
     for the dK/dV pass, and with COPY_DO the dO tile stored into the contiguous dOcopy for its TMA loads.
     With SPLIT, program (·, ·, c) sees only keys [c·CHUNK, (c+1)·CHUNK) and writes its dQ into chunk c of
     an fp32 (chunks, batch·heads, N_QUERIES, D_TILE) buffer, summed by `flash_split_sum_kernel`; chunk 0
-    stores delta and the dO copy.
+    stores delta and the dO copy. With IS_VARLEN (packed sequences, as in `flash_fwd_kernel`; FUSED_PREP, neither
+    COPY_DO nor SPLIT) L and delta are (heads, total queries).
     """
     dQ_ptr += _chunk_offset(N_QUERIES, D_TILE, SPLIT)
     batch_head, batch, head, kv_head, q_start = _query_program(N_HEADS, KV_GROUP, Q_TILE_SIZE,
                                                                is_causal and SKIP_MASKED_TILES)
+    q_first, total_q = 0, 0
+    if IS_VARLEN:
+        tl.static_assert(FUSED_PREP and not (COPY_DO or SPLIT), "packed sequences run the unsplit fused dQ pass")
+        total_q = N_QUERIES
+        q_first, N_QUERIES, k_first, N_KEYS = _varlen_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, batch)
+        if q_start >= N_QUERIES:
+            return
+        Q_ptr += q_first * stride_q[2]
+        dO_ptr += q_first * stride_do[2]
+        O_ptr += q_first * stride_o[2]
+        dQ_ptr += q_first * stride_dq[2]
+        K_ptr += k_first * stride_k[2]
+        V_ptr += k_first * stride_v[2]
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     q, k_src, v_src = _query_tile_sources(Q_ptr, K_ptr, V_ptr, stride_q, stride_k, stride_v, batch, head, kv_head,
                                           q_start, N_QUERIES, N_KEYS, D, D_TILE, Q_TILE_SIZE, K_TILE_SIZE, CHECK_Q,
                                           CHECK_D, USE_TMA)
     dq_dst = _tile_src(dQ_ptr, stride_dq, batch, head, N_QUERIES, D, Q_TILE_SIZE, D_TILE, USE_TMA)
-    row = batch_head.to(tl.int64) * N_QUERIES
+    row = _lse_row(batch_head, head, N_QUERIES, total_q, q_first, IS_VARLEN)
     in_range = offs_q < N_QUERIES
     lse = tl.load(L_ptr + row + offs_q, mask=in_range, other=0.0) * LOG2E
     if FUSED_PREP:

@@ -1,0 +1,353 @@
+"""Packed sequences (`flash_attention_varlen`): against a float64 reference run sequence by sequence (SDPA with an
+explicit boolean mask), the CPU fallback, checks, the ops under torch.compile and opcheck; GPU-only cases (bf16,
+fp16: the 2x rule) are skipped without CUDA.
+
+On the CPU the kernels run through Triton's interpreter: sizes stay tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .helpers import DEVICE, band_mask, max_err
+
+FP32_BOUND = 1e-4  # fp32 (IEEE dots in the interpreter) against float64
+
+
+def cu_seqlens(lengths, device=DEVICE) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def packed_inputs(lengths_q, lengths_k, heads, kv_heads, d, dtype, device=DEVICE, seed=0):
+    """q (total_q, heads, d), k, v (total_k, kv_heads, d), dO like q, drawn in fp32 and cast."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), heads, d, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), kv_heads, d, generator=gen) for _ in range(2))
+    do = torch.randn(sum(lengths_q), heads, d, generator=gen)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
+
+
+def reference_packed(q, k, v, lengths_q, lengths_k, is_causal, window):
+    """O of packed inputs, sequence by sequence: SDPA in q's dtype with an explicit boolean mask (the band and the
+    causal triangle, top-left aligned); a query that sees no key gets 0 (its mask row opened, its output zeroed, so
+    that no NaN reaches the gradients)."""
+    group = q.shape[1] // k.shape[1]
+    outs, q0, k0 = [], 0, 0
+    for n_q, n_k in zip(lengths_q, lengths_k):
+        qs = q[q0:q0 + n_q].transpose(0, 1)
+        ks, vs = (t[k0:k0 + n_k].transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))
+        if n_q and n_k:
+            keep = band_mask(n_q, n_k, window, is_causal, q.device)
+            sees = keep.any(-1, keepdim=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep | ~sees)
+            outs.append(torch.where(sees, o, 0.0).transpose(0, 1))
+        else:
+            outs.append(q.new_zeros(n_q, q.shape[1], q.shape[2]) + 0 * qs.sum())
+        q0, k0 = q0 + n_q, k0 + n_k
+    return torch.cat(outs)
+
+
+def grads_of(fn, q, k, v, do):
+    """fn(q, k, v) and dQ, dK, dV for dO (leaf copies of q, k, v)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do, allow_unused=True)
+    return [o.detach()] + [torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), grads)]
+
+
+def ours_packed(q, k, v, do, lengths_q, lengths_k, is_causal, window, **keywords):
+    from cs336_systems import flash_attention_varlen
+
+    cu_q, cu_k = cu_seqlens(lengths_q, q.device), cu_seqlens(lengths_k, q.device)
+    return grads_of(lambda a, b, c: flash_attention_varlen(a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                           is_causal=is_causal, window=window, **keywords),
+                    q, k, v, do)
+
+
+def reference_grads(q, k, v, do, lengths_q, lengths_k, is_causal, window, dtype):
+    return grads_of(lambda a, b, c: reference_packed(a, b, c, lengths_q, lengths_k, is_causal, window),
+                    *(t.to(dtype) for t in (q, k, v, do)))
+
+
+def assert_close_to_float64(ours, q, k, v, do, lengths_q, lengths_k, is_causal, window, rule):
+    """rule ("abs", bound), or ("x_torch", factor): at most factor x the error of the reference in q's dtype."""
+    exact = reference_grads(q, k, v, do, lengths_q, lengths_k, is_causal, window, torch.float64)
+    same_dtype = reference_grads(q, k, v, do, lengths_q, lengths_k, is_causal, window, q.dtype) \
+        if rule[0] == "x_torch" else exact
+    for name, x, ref, base in zip(("O", "dQ", "dK", "dV"), ours, exact, same_dtype):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+        err = max_err(x, ref)
+        bound = rule[1] if rule[0] == "abs" else rule[1] * max_err(base, ref) + 1e-5
+        assert err <= bound, f"{name}: max |ours - fp64| = {err:.3g} > {bound:.3g}"
+
+
+# (queries, keys) per sequence: lengths 0 and 1 inside the batch, Nq != Nk, a sequence with queries but no keys and
+# one with keys but no queries, ragged tiles (the interpreter runs 16 x 16 tiles)
+LENGTHS_Q = [5, 0, 1, 33, 9, 4, 20]
+LENGTHS_K = [7, 3, 1, 18, 0, 4, 20]
+WINDOWS = [(-1, -1), (3, 1), (0, 0), (100, 100), (-1, 2)]  # (100, 100): wider than every sequence
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_matches_float64_per_sequence(is_causal, window):
+    """GQA (4 query heads over 2), fp32, forward and gradients, against float64 sequence by sequence."""
+    q, k, v, do = packed_inputs(LENGTHS_Q, LENGTHS_K, 4, 2, 16, torch.float32, seed=1)
+    ours = ours_packed(q, k, v, do, LENGTHS_Q, LENGTHS_K, is_causal, window)
+    assert_close_to_float64(ours, q, k, v, do, LENGTHS_Q, LENGTHS_K, is_causal, window, ("abs", FP32_BOUND))
+
+
+def test_varlen_plain_heads_odd_head_dim_and_strided_inputs():
+    """H = Hkv, a head dim that is not a power of two, q, k, v as views of one fused projection (strided)."""
+    lengths = [17, 1, 0, 40]
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(sum(lengths), 3, 2, 12, generator=gen).to(DEVICE)
+    q, k, v = qkv.unbind(1)
+    do = torch.randn(sum(lengths), 2, 12, generator=gen).to(DEVICE)
+    ours = ours_packed(q, k, v, do, lengths, lengths, True, (-1, -1), scale=None)
+    assert_close_to_float64(ours, q, k, v, do, lengths, lengths, True, (-1, -1), ("abs", FP32_BOUND))
+
+
+def test_varlen_one_sequence_matches_the_dense_op():
+    """A batch of one sequence gives what `flash_attention` gives on the same (1, H, S, D) tensors."""
+    from cs336_systems import flash_attention
+
+    q, k, v, do = packed_inputs([37], [29], 2, 2, 16, torch.float32, seed=3)
+    ours = ours_packed(q, k, v, do, [37], [29], True, (5, -1))
+    dense = grads_of(lambda a, b, c: flash_attention(*(t.transpose(0, 1) for t in (a, b, c)), is_causal=True,
+                                                     window=(5, -1)).transpose(0, 1), q, k, v, do)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), ours, dense):
+        assert max_err(x, y) <= 1e-5, f"{name}: packed and dense differ by {max_err(x, y):.3g}"
+
+
+def test_varlen_cpu_fallback_matches_float64(monkeypatch):
+    """Without CUDA and without the interpreter: the tiled PyTorch path, sequence by sequence."""
+    import cs336_systems.flash.launch as launch
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    q, k, v, do = packed_inputs(LENGTHS_Q, LENGTHS_K, 4, 2, 16, torch.float32, device="cpu", seed=4)
+    for is_causal, window in [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 1)), (False, (0, 0))]:
+        ours = ours_packed(q, k, v, do, LENGTHS_Q, LENGTHS_K, is_causal, window)
+        assert_close_to_float64(ours, q, k, v, do, LENGTHS_Q, LENGTHS_K, is_causal, window, ("abs", FP32_BOUND))
+
+
+def test_varlen_empty_batch_and_no_queries():
+    """cu_seqlens [0] (no sequence) and sequences without queries: empty or zero outputs, zero gradients."""
+    from cs336_systems import flash_attention_varlen
+
+    for lengths_q, lengths_k in [([], []), ([0, 0], [3, 2])]:
+        q, k, v, _ = packed_inputs(lengths_q, lengths_k, 2, 1, 16, torch.float32, seed=5)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = flash_attention_varlen(q, k, v, cu_seqlens(lengths_q), cu_seqlens(lengths_k), max(lengths_q, default=0),
+                                   max(lengths_k, default=0), is_causal=True)
+        assert o.shape == q.shape
+        o.sum().backward()
+        assert not k.grad.abs().any() and not v.grad.abs().any()
+
+
+def _args(lengths_q=(3, 4), lengths_k=(3, 4), heads=2, kv_heads=2, d=8, dtype=torch.float32):
+    q, k, v, _ = packed_inputs(list(lengths_q), list(lengths_k), heads, kv_heads, d, dtype, device="cpu")
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens(lengths_q, "cpu"), cu_seqlens_k=cu_seqlens(lengths_k, "cpu"),
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+def _with(**changes):
+    args = _args()
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("args,error,words", [
+    (_with(cu_seqlens_q=torch.tensor([0, 3, 7])), TypeError, "int32"),
+    (_with(cu_seqlens_q=torch.tensor([[0, 3, 7]], dtype=torch.int32)), ValueError, "1-D"),
+    (_with(cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")), ValueError, "device"),
+    (_with(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "one length"),
+    (_with(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, "start at 0"),
+    (_with(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32),
+           cu_seqlens_k=torch.tensor([0, 1, 3, 7], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (_with(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError, "packed length 7"),
+    (_with(max_seqlen_q=3), ValueError, "max_seqlen_q is 3"),
+    (_with(max_seqlen_k=-1), ValueError, "max_seqlen_k"),
+    (_with(max_seqlen_k=True), TypeError, "max_seqlen_k"),
+    (_args(heads=3, kv_heads=2), ValueError, "must divide"),
+    (_with(k=torch.zeros(7, 2, 16), v=torch.zeros(7, 2, 16)), ValueError, "head dims"),
+    (_with(k=torch.zeros(7, 2, 8, dtype=torch.float16)), TypeError, "one dtype"),
+    (_with(q=torch.zeros(7, 2, 8, dtype=torch.float64)), TypeError, "unsupported dtype"),
+    (_with(q=torch.zeros(1, 7, 2, 8)), ValueError, "(total, heads, d)"),
+    (_with(v=torch.zeros(6, 2, 8)), ValueError, "k and v shapes"),
+], ids=["cu-dtype", "cu-2d", "cu-device", "cu-lengths", "cu-start", "cu-decreasing", "cu-total", "max-short",
+        "max-negative", "max-bool", "gqa-heads", "head-dim", "dtype-mixed", "dtype-float64", "q-4d", "kv-shapes"])
+def test_varlen_bad_input_raises_before_any_work(args, error, words):
+    from cs336_systems import flash_attention_varlen
+
+    with pytest.raises(error, match=__import__("re").escape(words)):
+        flash_attention_varlen(**args)
+
+
+def test_varlen_bad_window_and_flags_raise():
+    from cs336_systems import flash_attention_varlen
+
+    with pytest.raises(ValueError, match="window left"):
+        flash_attention_varlen(**_args(), window=(-2, 0))
+    with pytest.raises(TypeError, match="is_causal"):
+        flash_attention_varlen(**_args(), is_causal=1)
+    with pytest.raises(TypeError, match="deterministic"):
+        flash_attention_varlen(**_args(), deterministic="yes")
+
+
+def test_varlen_fullgraph_compile_aot_eager_matches_eager():
+    """torch.compile(fullgraph=True) takes the call whole (opaque custom ops): aot_eager, forward and backward, equal
+    to eager."""
+    from cs336_systems import flash_attention_varlen
+
+    lengths = [9, 1, 0, 21]
+    q, k, v, do = packed_inputs(lengths, lengths, 2, 1, 16, torch.float32, seed=6)
+    cu = cu_seqlens(lengths)
+
+    def step(a, b, c):
+        return flash_attention_varlen(a, b, c, cu, cu, 21, 21, is_causal=True, window=(4, -1))
+
+    eager = grads_of(step, q, k, v, do)
+    torch._dynamo.reset()
+    compiled = grads_of(torch.compile(step, backend="aot_eager", fullgraph=True), q, k, v, do)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
+        assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
+
+
+def test_varlen_dynamic_compile_serves_several_batches():
+    """torch.compile(dynamic=True, fullgraph=True): one frame for packed batches of other totals, offsets and
+    max_seqlen (symbolic ints through the checks and the ops' fake kernels)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cs336_systems import flash_attention_varlen
+
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda a, b, c, cu, n: flash_attention_varlen(a, b, c, cu, cu, n, n, is_causal=True),
+                         backend=compiles, dynamic=True, fullgraph=True)
+    for i, lengths in enumerate(([9, 1, 20], [3, 17, 0, 5])):
+        q, k, v, do = packed_inputs(lengths, lengths, 2, 1, 16, torch.float32, seed=8 + i)
+        ours = grads_of(lambda a, b, c: step(a, b, c, cu_seqlens(lengths), max(lengths)), q, k, v, do)
+        assert_close_to_float64(ours, q, k, v, do, lengths, lengths, True, (-1, -1), ("abs", FP32_BOUND))
+    assert compiles.frame_count == 1, f"{compiles.frame_count} compiled frames for two batches"
+
+
+def test_varlen_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake kernels, autograd registration of the varlen op pair."""
+    from cs336_systems.flash.ops import flash_attn_varlen_bwd, flash_attn_varlen_fwd
+
+    lengths_q, lengths_k = [5, 0, 12], [7, 2, 12]
+    q, k, v, do = packed_inputs(lengths_q, lengths_k, 2, 1, 16, torch.float32, seed=7)
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    fwd_args = (q, k, v, cu_q, cu_k, 12, 12, True, 0.25, 3, -1)
+    torch.library.opcheck(flash_attn_varlen_fwd, fwd_args)
+    o, lse = flash_attn_varlen_fwd(*fwd_args)
+    torch.library.opcheck(flash_attn_varlen_bwd, (do, q, k, v, o, lse, cu_q, cu_k, 12, 12, True, 0.25, 3, -1),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: bf16 / fp16 against the 2x rule
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def long_tailed_lengths(total: int, longest: int, seed: int) -> list[int]:
+    """Sequence lengths summing to `total`: many short ones (a Pareto-like tail), a few up to `longest`, some 0 and 1."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [longest, longest // 2 + 7, 0, 1]
+    while sum(lengths) < total:
+        lengths.append(min(longest, int(8 / (torch.rand((), generator=gen).item() ** 1.2 + 1e-3))))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_long_tailed_batch_meets_2x_rule(dtype, d, is_causal):
+    """A packed batch of 8192 tokens, lengths long-tailed (one of 2048, many short, 0 and 1), GQA 8 over 2 heads."""
+    lengths = long_tailed_lengths(8192, 2048, seed=d)
+    q, k, v, do = packed_inputs(lengths, lengths, 8, 2, d, dtype, seed=20 + d)
+    ours = ours_packed(q, k, v, do, lengths, lengths, is_causal, (-1, -1))
+    assert_close_to_float64(ours, q, k, v, do, lengths, lengths, is_causal, (-1, -1), ("x_torch", 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_window_skips_tiles_and_meets_2x_rule(dtype):
+    """A window of 256 keys on sequences of up to 4103 tokens (most key tiles outside the band, skipped), causal and
+    not, Nq != Nk in one sequence."""
+    lengths_q, lengths_k = [4103, 1, 700, 2000], [4103, 1, 650, 2000]
+    q, k, v, do = packed_inputs(lengths_q, lengths_k, 4, 4, 64, dtype, seed=30)
+    for is_causal, window in [(True, (256, -1)), (False, (200, 56))]:
+        ours = ours_packed(q, k, v, do, lengths_q, lengths_k, is_causal, window)
+        assert_close_to_float64(ours, q, k, v, do, lengths_q, lengths_k, is_causal, window, ("x_torch", 2.0))
+
+
+@pytest.mark.gpu
+def test_varlen_inductor_fullgraph_matches_eager():
+    """torch.compile(fullgraph=True) with Inductor on the GPU: the opaque ops, bitwise equal to eager."""
+    from cs336_systems import flash_attention_varlen
+
+    lengths = long_tailed_lengths(2048, 1024, seed=3)
+    q, k, v, do = packed_inputs(lengths, lengths, 4, 2, 64, torch.bfloat16, seed=31)
+    cu = cu_seqlens(lengths)
+
+    def step(a, b, c):
+        return flash_attention_varlen(a, b, c, cu, cu, max(lengths), max(lengths), is_causal=True)
+
+    eager = grads_of(step, q, k, v, do)
+    compiled = grads_of(torch.compile(step, fullgraph=True), q, k, v, do)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
+        assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The course LM on packed documents
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _document_loss(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross entropy within one document, and its target count."""
+    return F.cross_entropy(logits[:-1], tokens[1:], reduction="sum"), tokens.shape[0] - 1
+
+
+@pytest.mark.parametrize("attention", ["flash", "reference"])
+def test_lm_packed_documents_give_the_loss_of_documents_one_by_one(attention):
+    """A (2, 12) batch holding four documents (one of a single token, one across the row boundary): the packed
+    forward (cu_seqlens; attention within each document, RoPE from each document's start) gives each document's
+    logits and the same loss as running the documents one by one (fp32, small model)."""
+    from cs336_basics.model import BasicsTransformerLM
+
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                                attention=attention).to(DEVICE)
+    lengths = [5, 1, 12, 6]
+    tokens = torch.randint(0, 50, (sum(lengths),), device=DEVICE)
+    cu = cu_seqlens(lengths)
+    packed = model(tokens.view(2, 12), cu_seqlens=cu).flatten(0, 1)
+    packed_loss, one_by_one_loss, targets = 0.0, 0.0, 0
+    for first, stop in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = model(tokens[first:stop][None])[0]
+        assert max_err(packed[first:stop], alone) <= 1e-4, f"document at {first}: logits differ"
+        packed_part, count = _document_loss(packed[first:stop], tokens[first:stop])
+        packed_loss += packed_part
+        one_by_one_loss += _document_loss(alone, tokens[first:stop])[0]
+        targets += count
+    assert abs(packed_loss.item() - one_by_one_loss.item()) / targets <= 1e-5
+    (packed_loss / targets).backward()  # the packed step trains
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_lm_eos_token_marks_documents():
+    """eos_token_id: a document ends after each eos token and at each row's end; RoPE positions restart."""
+    from cs336_basics.model import PackedDocuments
+
+    tokens = torch.tensor([[3, 0, 4, 5, 0, 6], [7, 8, 0, 9, 9, 9]])
+    documents = PackedDocuments.from_eos(tokens, eos_token_id=0)
+    assert documents.cu_seqlens.tolist() == [0, 2, 5, 6, 9, 12]
+    assert documents.cu_seqlens.dtype == torch.int32 and documents.max_seqlen == 3
+    assert documents.positions.tolist() == [0, 1, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2]
