@@ -59,19 +59,23 @@ def test_flash_chooser_two_pass_takes_the_gluon_kv_pass_only_unsplit_and_large()
     assert short.kv_chunk and short.dq_chunk and not short.gluon_kv
 
 
-@pytest.mark.parametrize("batch,seq,d,forward,backward,inlined_fwd,inlined_bwd", [
-    (32, 512, 64, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # 2^27: the Gluon forward ...
-    (32, 512, 128, Forward.GLUON, Backward.GLUON_SINGLE, False, False),   # ... and at d 128 the Gluon backward
-    (16, 1024, 64, Forward.GLUON, Backward.GLUON_SINGLE, False, False),   # 2^28: Gluon both ways
-    (8, 2048, 64, Forward.GLUON, Backward.GLUON_SINGLE, False, False),
-    (1, 1024, 64, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 (host-bound): Triton both ways
-    (4, 512, 128, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 at d 128
+@pytest.mark.parametrize("batch,seq,d,causal,forward,backward,inlined_fwd,inlined_bwd", [
+    (32, 512, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # 2^27: the Gluon forward ...
+    (32, 512, 128, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False),  # ... at d 128 the Gluon backward
+    (32, 512, 128, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # ... but 2^26 visible when causal
+    (16, 1024, 64, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False),  # 2^28: Gluon both ways
+    (16, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # 2^27 visible: the Triton backward
+    (16, 1024, 128, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False),
+    (8, 2048, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False),
+    (1, 1024, 64, True, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 (host-bound): Triton both ways
+    (4, 512, 128, False, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 at d 128
 ])
-def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, d, forward, backward, inlined_fwd,
+def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, d, causal, forward, backward, inlined_fwd,
                                                              inlined_bwd):
     """The training grid's points (16 heads): the Gluon forward from GLUON_FWD_MIN_WORK, the Gluon backward from
-    its head dim's GLUON_BWD_MIN_WORK, each inlined under torch.compile below its own threshold."""
-    grid_call = call(sizes=dict(batch=batch, heads=16, n_q=seq, n_k=seq), d=d)
+    its head dim's GLUON_BWD_MIN_WORK of visible work (half the work when causal), each inlined under
+    torch.compile below its own threshold."""
+    grid_call = call(sizes=dict(batch=batch, heads=16, n_q=seq, n_k=seq), d=d, causal=causal)
     assert chooser.forward_design(grid_call) == (forward, 0)
     assert chooser.backward_design(grid_call).design is backward
     assert (chooser.inlined(grid_call), chooser.inlined(grid_call, backward=True)) == (inlined_fwd, inlined_bwd)

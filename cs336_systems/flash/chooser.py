@@ -1,6 +1,7 @@
 """Which design runs a call: pure functions from a call's metadata to the forward's and the backward's design.
 
-Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows` > 0):
+Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it when causal; "short grid" =
+`split_rows` > 0):
 
   forward                                           | design
   --------------------------------------------------|------------------------------
@@ -18,7 +19,7 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk; "short grid" = `split_rows
   packed sequences, whatever `deterministic`        | TRITON_TWO_PASS, unsplit, both passes in Triton, no TMA
   a sliding window, deterministic False             | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
-  deterministic not True, work >= gluon_bwd_min_work(d),
+  deterministic not True, visible work >= gluon_bwd_min_work(d),
   Gluon single pass takes the call                  | GLUON_SINGLE (dQ by TMA reductions)
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
   otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from gluon_bwd_min_work where taken
@@ -45,11 +46,12 @@ import torch
 
 from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
-# batch·heads·Nq·Nk from which the forward, and the backward's passes, run in Gluon: a Gluon launch (host-side TMA
-# descriptors) costs more host time than a Triton kernel's cached C launch, so host-bound calls keep Triton. Measured
-# on the H200 (`cs336-bench grid` at 32 × 512, 16 × 1024 and 8 × 2048, the gluon_*_everywhere variants against the
-# shipped kernel in one run): the Gluon forward is as fast or faster from 2^27 at d 64 and 128; the Gluon backward
-# from 2^27 at d 128, but at d 64 only from 2^28 (at 2^27 its single pass took 1.6-1.7x the Triton two-pass time)
+# The forward runs in Gluon from GLUON_FWD_MIN_WORK batch·heads·Nq·Nk, the backward from GLUON_BWD_MIN_WORK of visible
+# work (causal: half). A Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's cached
+# C launch, and short calls are host-bound, so they keep Triton. Measured on the H200 (runs/ab: the Gluon forward
+# as fast or faster from 2^27 at d 64 and 128; the Gluon single pass against the Triton two-pass, interleaved
+# rounds, at 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where
+# its extra host time shows (causal 16 × 1024 d 64: 0.90 against 0.66 ms))
 GLUON_FWD_MIN_WORK = 1 << 27
 GLUON_BWD_MIN_WORK = {64: 1 << 28, 128: 1 << 27}  # per Gluon head dim (d <= 64 runs the d-64 kernels)
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
@@ -138,6 +140,11 @@ class Call:
     def work(self) -> int:
         return self.batch * self.heads * self.n_q * self.n_k
 
+    @property
+    def visible_work(self) -> int:
+        """The work of the score tiles a causal call visits (about half)."""
+        return self.work // 2 if self.causal else self.work
+
 
 @dataclass(frozen=True)
 class BackwardChoice:
@@ -183,14 +190,14 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
     return split_rows(call.batch * call.heads, n_rows, n_reduce, call.causal, call.sms, 2 if call.d <= 64 else 1)
 
 
-def _gluon_wanted(flag: bool | None, call: Call, min_work: int) -> bool:
+def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bool:
     if call.window or call.varlen:
         return False
-    return call.work >= min_work if flag is None else flag
+    return work >= min_work if flag is None else flag
 
 
 def gluon_bwd_min_work(d: int) -> int:
-    """The work from which a backward of head dim d runs in Gluon (`GLUON_BWD_MIN_WORK`)."""
+    """The visible work from which a backward of head dim d runs in Gluon (`GLUON_BWD_MIN_WORK`)."""
     return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128]
 
 
@@ -201,7 +208,7 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
     if call.varlen:
         return Forward.TRITON, 0
     chunk = _split(opts, call, call.n_q, call.n_k)
-    if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK) and not chunk and call.tma and call.gluon_fwd:
+    if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK, call.work) and not chunk and call.tma and call.gluon_fwd:
         return Forward.GLUON, 0
     return (Forward.TRITON_SPLIT, chunk) if chunk else (Forward.TRITON, 0)
 
@@ -211,7 +218,8 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
         return BackwardChoice(Backward.PYTORCH)
     if call.varlen:  # (the IS_VARLEN variant has no atomic dQ: the two-pass design, bitwise repeatable)
         return BackwardChoice(Backward.TRITON_TWO_PASS)
-    gluon = _gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d)) and opts.skip_masked_tiles and call.tma
+    gluon = (_gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)
+             and opts.skip_masked_tiles and call.tma)
     if opts.deterministic is not True and gluon and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
     if opts.deterministic is False:
@@ -226,8 +234,8 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
 def inlined(call: Call, backward: bool = False) -> bool:
     """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
     launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
-    min_work = gluon_bwd_min_work(call.d) if backward else GLUON_FWD_MIN_WORK
-    return (call.kernels and call.sms > 0 and call.work < min_work and not call.window and not call.varlen
+    short = call.visible_work < gluon_bwd_min_work(call.d) if backward else call.work < GLUON_FWD_MIN_WORK
+    return (call.kernels and call.sms > 0 and short and not call.window and not call.varlen
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
 
