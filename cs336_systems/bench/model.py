@@ -8,7 +8,8 @@ after each) of each mode:
   bwd      backward of the loss only (the forward runs untimed before each step)
   fwd_bwd  forward + loss + backward
   step     forward + loss + backward + AdamW step (zero_grad included)
-Rows record mean +- std ms, tokens/s and peak memory (max_memory_allocated since a reset, MiB). With
+Rows record mean +- std ms, tokens/s and peak memory (max_memory_allocated over the timed steps, MiB: reset
+after the warm-up and the end of our kernels' background compiles). With
 `--attention NAME` the model's module-global `scaled_dot_product_attention` is swapped for the `impls`
 registry's NAME (e.g. flash_triton, our kernel; "flash" is kept as its old alias; sdpa, PyTorch's
 F.scaled_dot_product_attention with its own choice of backend).
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             state["model"].zero_grad(set_to_none=True)
 
         def time_mode(mode: str) -> dict:
-            timing = dict(device=device, iters=args.steps, warmup=args.warmup)
+            timing = dict(device=device, iters=args.steps, warmup=args.warmup, settled=True)
             if mode == "fwd":
                 return time_calls(loss_fn, **timing)
             if mode == "bwd":

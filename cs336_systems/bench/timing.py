@@ -108,10 +108,13 @@ def time_calls(
     iters: int,
     warmup: int,
     before: Callable[[], Any] | None = None,
+    settled: bool = False,
 ) -> dict[str, float]:
     """Time `iters` calls of `fn` with a wall clock, synchronizing the device after each call.
 
-    `before` runs untimed ahead of every call (e.g. to drop accumulated grads or redo a forward).
+    `before` runs untimed ahead of every call (e.g. to drop accumulated grads or redo a forward). `settled`: after
+    the warm-up, wait for the background compiles our kernels' first calls start and reset the device's peak-memory
+    counter, so that the peak the caller reads is that of the timed calls, not of the first calls' compiles.
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
@@ -120,6 +123,9 @@ def time_calls(
             before()
         fn()
         synchronize(device)
+    if settled:
+        wait_for_our_compiles()
+        reset_peak_memory(device)
     times = []
     for _ in range(iters):
         if before is not None:
@@ -154,13 +160,19 @@ def host_times(fn: Callable[[], Any], device: torch.device, iters: int, warmup: 
     return {"host_us": stats["ms"], "host_us_p20": stats["ms_p20"], "host_us_p80": stats["ms_p80"]}
 
 
-def settle(fn: Callable[[], Any]) -> None:
-    """One call of fn, then the end of the background compiles our kernels' first calls start (the other length
-    class, the other dO layout): timed while they run, a short call's host time includes their threads' GIL."""
-    fn()
-    launch = sys.modules.get("cs336_systems.flash.launch")  # (not imported: nothing of ours compiles)
+def wait_for_our_compiles() -> None:
+    """The end of the background compiles our kernels' first calls start (the other length class, the other dO
+    layout); nothing where our kernels were never imported."""
+    launch = sys.modules.get("cs336_systems.flash.launch")
     if launch is not None:
         launch.wait_for_background_compiles()
+
+
+def settle(fn: Callable[[], Any]) -> None:
+    """One call of fn, then the end of our background compiles: timed while they run, a short call's host time
+    includes their threads' GIL."""
+    fn()
+    wait_for_our_compiles()
 
 
 def bench(

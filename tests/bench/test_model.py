@@ -73,3 +73,19 @@ def test_smoke_model_fixed_tokens_per_step(tmp_path):
     rows = rows_of(tmp_path, "model")
     assert {(r["impl"], r["context_length"], r["batch"], r["status"]) for r in rows} == {
         (impl, ctx, 64 // ctx, "ok") for impl in ("flash_triton", "sdpa") for ctx in (16, 32)}
+
+
+def test_settled_timing_resets_the_peak_after_the_warmup_and_our_compiles(monkeypatch):
+    """time_calls(settled=True): the warm-up calls, then the end of our background compiles and a reset of the peak
+    counter, then the timed calls; the model benchmark's peak memory is thus that of its timed steps."""
+    from cs336_systems.bench import timing
+    from cs336_systems.flash import launch
+
+    events = []
+    monkeypatch.setattr(launch, "wait_for_background_compiles", lambda: events.append("wait"))
+    monkeypatch.setattr(timing, "reset_peak_memory", lambda device: events.append("reset"))
+    stats = timing.time_calls(lambda: events.append("call"), torch.device("cpu"), iters=2, warmup=1, settled=True)
+    assert events == ["call", "wait", "reset", "call", "call"] and stats["n_timed"] == 2
+    events.clear()
+    timing.time_calls(lambda: events.append("call"), torch.device("cpu"), iters=1, warmup=1)
+    assert events == ["call", "call"]
