@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--seq", full=128, smoke=32, help="sequence length of first_call", type=positive_int)
     add_sized(p, "--lengths", full=[1536, 3000, 777], smoke=[40], help="new sequence lengths", type=positive_int,
               nargs="+")
-    add_sized(p, "--settled-lengths", full=[1280, 2500, 1111], smoke=[56], type=positive_int, nargs="+",
-              help="new sequence lengths called after the background compiles end")
+    add_sized(p, "--settled-lengths", full=[1280, 2500, 1111, 2048, 4096], smoke=[56], type=positive_int, nargs="+",
+              help="new sequence lengths called after the background compiles end (on an H200 2048 and 4096 route "
+                   "to the Gluon kernels, which no background compile prepares)")
     add_sized(p, "--cpu-seq", full=1024, smoke=64, help="sequence length of the CPU case", type=positive_int)
     add_sized(p, "--timeout", full=600, smoke=300, help="seconds a child process may take", type=positive_int)
 
