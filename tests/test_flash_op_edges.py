@@ -205,6 +205,42 @@ def test_flash_compiles_with_strided_inputs(pytorch_path):
         assert torch.equal(a, b), f"{name}: compiled differs from eager"
 
 
+def test_flash_compiles_a_bshd_model_block_with_dynamic_lengths(pytorch_path):
+    """A model's attention (separate projections: q, k, v as (B, H, S, D) views of (B, S, H, D), O reshaped back) under
+    torch.compile(dynamic=True): one graph serves two lengths, O's reshape stays a view (the op's fake O has the
+    (B, S, H, D) layout), and forward and gradients equal eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    weights = [torch.randn(32, 32, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+
+    def block(x):
+        b, s, _ = x.shape
+        q, k, v = ((x @ w).view(b, s, 2, 16).transpose(1, 2) for w in weights[:3])
+        o = flash_attention(q, k, v, is_causal=True)
+        return o.transpose(1, 2).reshape(b, s, 32) @ weights[3]
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+    for seq in (24, 40):
+        x = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(seq))
+        results = []
+        for fn in (block, compiled):
+            leaf = x.clone().requires_grad_()
+            out = fn(leaf)
+            out.square().sum().backward()
+            results.append((out.detach(), leaf.grad))
+        for name, a, b in zip(("out", "dx"), *results):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name} at {seq}: compiled differs from eager"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for two lengths"
+    # Inductor checks the op's real output strides against its fake kernel's: O in the (B, S, H, D) layout
+    q, k, v = (torch.randn(2, 24, 2, 16, generator=torch.Generator().manual_seed(i)).transpose(1, 2) for i in range(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        o = torch.compile(lambda *a: flash_attention(*a, is_causal=True), backend="inductor", fullgraph=True)(q, k, v)
+    assert o.stride() == q.stride() and torch.equal(o, flash_attention(q, k, v, is_causal=True))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A scale that torch.compile traces as a symbolic float
 # ---------------------------------------------------------------------------------------------------------------
