@@ -186,6 +186,29 @@ def test_varlen_bad_input_raises_before_any_work(args, error, words):
         flash_attention_varlen(**args)
 
 
+def test_varlen_offsets_are_read_once_per_tensor(monkeypatch):
+    """The offsets' values are read (a device sync on CUDA) once per tensor: again only for another tensor, other
+    sizes, or after an in-place write, which a bad value then fails."""
+    from cs336_systems import flash_attention_varlen
+    from cs336_systems.flash import ops
+
+    reads = []
+    check = ops.check_varlen_offsets
+    monkeypatch.setattr(ops, "check_varlen_offsets", lambda cu, *a: (reads.append(cu), check(cu, *a)))
+    args = _args()
+    cu = args["cu_seqlens_k"] = args["cu_seqlens_q"]  # self-attention: one offsets tensor for both sides
+    flash_attention_varlen(**args)
+    flash_attention_varlen(**args)
+    assert len(reads) == 1, f"{len(reads)} reads of one unchanged tensor over two calls"
+    cu.add_(0)  # an in-place write: read again
+    flash_attention_varlen(**args)
+    flash_attention_varlen(**{**args, "cu_seqlens_q": cu.clone(), "cu_seqlens_k": cu.clone()})  # other tensors
+    assert len(reads) == 4
+    cu[1] = 5  # a sequence longer than max_seqlen now
+    with pytest.raises(ValueError, match="max_seqlen_q is 4"):
+        flash_attention_varlen(**args)
+
+
 def test_varlen_bad_window_and_flags_raise():
     from cs336_systems import flash_attention_varlen
 

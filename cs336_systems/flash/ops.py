@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -473,6 +474,24 @@ def _offsets_readable(cu_seqlens: torch.Tensor) -> bool:
             and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+# The offsets checked last, per tensor: (a weak reference to it, its version counter, the packed length, max_seqlen).
+# The same offsets reach every layer of a model's step; read once, they cost one device sync per step, not per call.
+_CHECKED_OFFSETS: dict[int, tuple] = {}
+_CHECKED_MAX = 8
+
+
+def _check_offsets_once(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> None:
+    """`check_varlen_offsets`, skipped for the very tensor already checked with these sizes and unchanged since (its
+    version counter: in-place writes through PyTorch bump it)."""
+    seen = _CHECKED_OFFSETS.get(id(cu_seqlens))
+    if seen is not None and seen[0]() is cu_seqlens and seen[1:] == (cu_seqlens._version, total, max_seqlen):
+        return
+    check_varlen_offsets(cu_seqlens, total, max_seqlen, name)
+    if len(_CHECKED_OFFSETS) >= _CHECKED_MAX:
+        _CHECKED_OFFSETS.clear()
+    _CHECKED_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, total, max_seqlen)
+
+
 def flash_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, is_causal: bool = False, scale: float | None = None,
@@ -493,7 +512,8 @@ def flash_attention_varlen(
     The backward is always the two-pass design (bitwise repeatable); `deterministic` is checked and otherwise has no
     effect. Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
     (0 first, non-decreasing, the total last, no sequence longer than max_seqlen), which reads them on the host: one
-    device sync per call for CUDA offsets. Under torch.compile and CUDA-graph capture only the metadata is checked.
+    device sync for CUDA offsets, once per offsets tensor (calls that pass the same, unmodified tensor again, as a
+    model's layers do, skip the read). Under torch.compile and CUDA-graph capture only the metadata is checked.
     torch.compile(fullgraph=True) takes the call whole (opaque custom ops `cs336::flash_attn_varlen_fwd`/`_bwd`).
     """
     is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
@@ -503,8 +523,8 @@ def flash_attention_varlen(
     check_head_dim(q.shape[-1])
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     if _offsets_readable(cu_seqlens_q):
-        check_varlen_offsets(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        check_varlen_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        _check_offsets_once(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        _check_offsets_once(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     max_seqlen_q, max_seqlen_k = (n if isinstance(n, torch.SymInt) else int(n) for n in (max_seqlen_q, max_seqlen_k))
     o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                                  *window)
