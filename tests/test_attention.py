@@ -283,7 +283,7 @@ def fresh_plans(monkeypatch):
 def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, min_work, gluon_config):
     """Which forward `flash_forward_triton` launches (the launches recorded, not run): the Gluon kernel
     where KernelOptions.gluon_fwd asks for it and it applies, with its config; else the Triton kernel."""
-    from cs336_systems.flash import chooser, launch
+    from cs336_systems.flash import background, chooser, launch
 
     calls = []
     triton = lambda *a, **kw: calls.append(("triton", None))  # noqa: E731
@@ -321,7 +321,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     accumulator (keys on rows unless single_qrows) where its config applies (`single`) and deterministic is
     not True, else the Gluon two-pass dK/dV pass (queries on rows unless kv_qrows=False), where
     KernelOptions.gluon_kv asks for it and it applies, else the Triton pass."""
-    from cs336_systems.flash import chooser, launch
+    from cs336_systems.flash import background, chooser, launch
 
     calls = []
     nothing = lambda *a, **kw: None  # noqa: E731
@@ -832,7 +832,7 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     """What a signature's first call hands the background compiles: its forward's launch, and its backward's for a
     contiguous and an expanded dO (with TMA the expanded one's dQ pass copies dO: another kernel), none run; and
     the lengths of the other integer class that Triton specializes on."""
-    from cs336_systems.flash import chooser, launch
+    from cs336_systems.flash import background, chooser, launch
 
     q = torch.randn(1, 2, 40, 16, device=DEVICE)
     forward, backward = launch._collect(q, q, q, True, chooser.KernelOptions(tma=True), True)
@@ -840,9 +840,9 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     assert [c["COPY_DO"] for l, _, c in backward if l.name == "dq"] == [False, True]
     # one background compile per kernel Triton would compile: with TMA the expanded dO's dQ pass copies it, so both
     # layouts share the dK/dV pass; without, every pass reads dO's strides (1 and 0, specialized apart)
-    assert len({launch.specialization(l.name, a, c) for l, a, c in backward}) == 3
+    assert len({background.specialization(l.name, a, c) for l, a, c in backward}) == 3
     _, plain = launch._collect(q, q, q, True, chooser.KernelOptions(tma=False), True)
-    assert len({launch.specialization(l.name, a, c) for l, a, c in plain}) == 4
+    assert len({background.specialization(l.name, a, c) for l, a, c in plain}) == 4
     assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS  # nothing kept that a real call would reuse
     assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [15, 48, 1023, 1040]
 

@@ -35,6 +35,21 @@ def test_flash_chooser_forward_routes(facts, opts, expected):
     assert chooser.forward_design(call(**facts), KernelOptions(**opts)) == expected
 
 
+@pytest.mark.parametrize("batch_heads", [1, 16, 32, 100, 512, 4096])
+@pytest.mark.parametrize("d,causal", [(64, True), (64, False), (128, True), (128, False)])
+def test_flash_chooser_gluon_length_is_the_shortest_whole_tile_length_running_both_passes_in_gluon(batch_heads, d,
+                                                                                                  causal):
+    """Where a signature compiles its Gluon kernels ahead (`launch.prewarm`): both passes there are Gluon by work,
+    256 rows shorter they are not (unless that is empty)."""
+    def designs(n):
+        facts = call(dict(batch=1, heads=batch_heads, n_q=n, n_k=n), d=d, causal=causal, sms=0)  # (no split)
+        return chooser.forward_design(facts), chooser.backward_design(facts).design
+
+    n = chooser.gluon_length(batch_heads, d, causal)
+    assert n % 256 == 0 and designs(n) == ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
+    assert n == 256 or designs(n - 256) != ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
+
+
 @pytest.mark.parametrize("facts,opts,expected", [
     (dict(kernels=False), {}, Backward.PYTORCH),
     (dict(), {"triton_backward": False}, Backward.PYTORCH),

@@ -347,3 +347,29 @@ def test_gluon_launch_cache_keys_on_the_head_dim():
             o, lse = flash_forward_triton(q, k, v, True, opts)
             ref, ref_lse = flash_forward_triton(q, k, v, True, plain)
             assert rel_err(o, ref) < 1e-2 and (lse - ref_lse).abs().max().item() < 1e-2, f"d {d}"
+
+
+@pytest.mark.gpu
+def test_gluon_kernels_compiled_ahead_for_longer_calls():
+    """A signature's first call, short enough for the Triton kernels, compiles in the background the Gluon kernels
+    that its batch and heads run from `chooser.gluon_length`: the first longer call then compiles no Gluon kernel
+    (fp16, full attention, d 128: a signature no other test here runs first)."""
+    from cs336_systems.flash import chooser, gluon as flash_gluon, launch
+    from cs336_systems.flash_triton import flash_attention
+
+    kernels = (flash_gluon.flash_fwd_gluon_kernel, flash_gluon.flash_bwd_single_keys_gluon_kernel)
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+
+    b, h, d = 2, 16, 128
+    n = chooser.gluon_length(b * h, d, False)
+    for length in (512, n):
+        q, k, v = (randn_cuda(b, h, length, d, seed=60 + i, dtype=torch.float16).requires_grad_() for i in range(3))
+        flash_attention(q, k, v, False).sum().backward()
+        if length == 512:
+            launch.wait_for_background_compiles()
+            before = compiled()
+    ran = [(key[0][0], plan.choice.design) for key, plan in launch._BACKWARD_PLANS.items()]
+    assert ((b, h, n, d), chooser.Backward.GLUON_SINGLE) in ran, "the longer call must run the Gluon kernels"
+    assert compiled() == before, "the longer call compiled a Gluon kernel at its first launch"

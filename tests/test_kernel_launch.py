@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 import triton
 
 from cs336_systems.flash.c_launch import CLaunch
@@ -51,3 +52,22 @@ def test_c_launch_passes_the_full_grid_and_arguments():
 def test_c_launch_rejects_grids_of_other_ranks(grid):
     with pytest.raises(ValueError, match="one to three dims"):
         CLaunch.of(FakeCompiled(), grid)
+
+
+def test_background_specialization_follows_the_jit():
+    """The key a background compile is found by: integers by their classes (1, multiple of 16, width) except at the
+    kernel's `do_not_specialize` positions, tensors by dtype and alignment, TMA descriptors by dtype and block."""
+    from cs336_systems.flash import background
+
+    def key(*args, plain=frozenset()):
+        return background.specialization("k", args, {"D": 64}, plain)
+
+    x = torch.empty(8)
+    assert key(x, 32) == key(x, 64) != key(x, 33) != key(x, 1)
+    assert key(x, 33, plain=frozenset({1})) == key(x, 1, plain=frozenset({1})) == key(x, 64, plain=frozenset({1}))
+    assert key(x, 2**31, plain=frozenset({1})) != key(x, 1, plain=frozenset({1}))
+    assert key(x, 32) != key(x.half(), 32) and key(x[1:], 32) != key(x, 32)
+    desc = SimpleNamespace(base=x, block_shape=[64, 64])
+    assert key(desc) == key(SimpleNamespace(base=torch.empty(4), block_shape=[64, 64]))
+    assert key(desc) != key(SimpleNamespace(base=x, block_shape=[128, 64]))
+    assert key(desc) != key(SimpleNamespace(base=x.half(), block_shape=[64, 64]))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +200,15 @@ def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bo
 def gluon_bwd_min_work(d: int) -> int:
     """The visible work from which a backward of head dim d runs in Gluon (`GLUON_BWD_MIN_WORK`)."""
     return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128]
+
+
+def gluon_length(batch_heads: int, d: int, causal: bool) -> int:
+    """The shortest length, in whole 256-row tiles, at which a self-attention call of batch·heads runs both passes
+    in Gluon by their work (`GLUON_FWD_MIN_WORK`, `gluon_bwd_min_work`): where a signature compiles its Gluon kernels
+    ahead of its longer calls (`launch.prewarm`)."""
+    work = max(GLUON_FWD_MIN_WORK, gluon_bwd_min_work(d) * (2 if causal else 1))
+    n = math.isqrt(-(-work // batch_heads) - 1) + 1  # (the ceiling of the square root)
+    return -(-n // 256) * 256
 
 
 def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:

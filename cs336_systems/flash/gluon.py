@@ -81,6 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -89,6 +90,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 REGS_3WG = gl.constexpr(160)
 # registers per thread of the single pass's loader and dQ warps (`_single_keys_loader`, `_single_keys_dq_writer`)
 WORKER_REGS = gl.constexpr(24)
+
+
+# integer arguments that vary with the lengths and are not specialized: one compile serves every length
+_BY_LENGTH = ("HEAD_GROUP", "TAIL")
 
 
 @builtin
@@ -219,7 +224,7 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_BY_LENGTH)
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
@@ -341,7 +346,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     return dk, dv, lse_next, delta_next
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_BY_LENGTH)
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
@@ -646,7 +651,7 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     return dk, dv
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_BY_LENGTH)
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
@@ -1104,11 +1109,24 @@ def launch_cache_size() -> int:
     return len(_COMPILED)
 
 
+class _Ahead:
+    """A Gluon kernel as `background` compiles it ahead of its first launch."""
+
+    __slots__ = ("kernel", "name", "plain")
+
+    def __init__(self, kernel):
+        self.kernel, self.name, self.plain = kernel, kernel.fn.__name__, background.plain_positions(kernel)
+
+    def warm(self, args: tuple, constexprs: dict) -> None:
+        background.compile_ahead(self.kernel, args, constexprs)
+
+
 def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cached: bool) -> None:
     """Launch through the JIT the first time a signature is seen (or every time if not cached), then
     through the compiled kernel's C launch."""
     entry = _COMPILED.get(key) if cached else None
     if entry is None:
+        background.wait_for(_Ahead(kernel), args, constexprs)  # (compiled ahead: found in the JIT's cache)
         compiled = kernel[grid](*args, **constexprs)
         if cached:
             _COMPILED[key] = (CLaunch.of(compiled, grid), compiled)
@@ -1178,6 +1196,15 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     _launch(kernel, grid, args, constexprs, key, cached)
 
 
+def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
+                  qrows: bool = False, dq_acc=None) -> tuple:
+    """What `kv_pass` with these arguments would launch, as `background.submit` compiles it: (launcher, arguments,
+    constexprs)."""
+    kernel, _, args, constexprs, _ = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config,
+                                                     qrows, dq_acc)
+    return _Ahead(kernel), args, constexprs
+
+
 def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config):
     """(grid, arguments, constexprs, cache key) of a forward launch."""
     batch, heads, n_q, d = q4.shape
@@ -1201,3 +1228,9 @@ def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cac
     tensors `fwd_supported` accepted with the same config."""
     grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
     _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)
+
+
+def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None) -> tuple:
+    """What `forward` with these arguments would launch, as `background.submit` compiles it."""
+    _, args, constexprs, _ = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
+    return _Ahead(flash_fwd_gluon_kernel), args, constexprs

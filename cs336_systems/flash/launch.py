@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from cs336_systems.flash import autotune, chooser, gluon, triton_kernels as kernels, tuning
+from cs336_systems.flash import autotune, background, chooser, gluon, triton_kernels as kernels, tuning
 from cs336_systems.flash.c_launch import CLaunch, scratch
 from cs336_systems.flash.chooser import DEFAULT_OPTIONS, NO_WINDOW, Backward, Forward, KernelOptions
 from cs336_systems.flash.tuning import TileConfig, padded_dim
@@ -67,6 +66,7 @@ class _Launcher:
     def __init__(self, kernel, name: str):
         self.kernel = kernel
         self.name = name
+        self.plain = background.plain_positions(kernel)  # (`background.specialization`)
         self.tuned = isinstance(kernel, triton.runtime.Autotuner)
         self.arg_names = (kernel.fn if self.tuned else kernel).arg_names  # every parameter, in order
         fn = kernel
@@ -108,17 +108,11 @@ class _Launcher:
     def warm(self, args: tuple, constexprs: dict) -> None:
         """Compile (and load) the kernel these arguments launch, without launching it: Triton's JIT cache then
         holds it for the first real launch. Only a kernel given its config: an autotuner must time to choose."""
-        if self.tuned or INTERPRET:
-            return
-        kernel = self.kernel.warmup(*args, grid=None, **constexprs)
-        if hasattr(kernel, "result"):
-            kernel = kernel.result()
-        kernel._init_handles()  # the module load and the C launcher's build, otherwise paid at the first launch
+        if not (self.tuned or INTERPRET):
+            background.compile_ahead(self.kernel, args, constexprs)
 
     def _compile(self, grid, args: tuple, constexprs: dict) -> _Compiled:
-        in_flight = _IN_FLIGHT.get(specialization(self.name, args, constexprs))
-        if in_flight is not None:  # a background compile of this kernel: wait for it rather than compile it twice
-            wait((in_flight,))
+        background.wait_for(self, args, constexprs)
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
@@ -330,9 +324,14 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor of t's shape, dtype and device for O or a gradient: in t's layout where t is a
     (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's projections give q, k and
     v), so that the model's reshape back to (B, S, H·D) copies nothing; contiguous otherwise."""
-    if t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+    if _heads_inside(t):
         return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _heads_inside(t: torch.Tensor) -> bool:
+    """Whether t is a (B, H, S, D) view of (B, S, H, D) memory."""
+    return t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
 
 
 def in_layout_of(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -472,7 +471,7 @@ def flash_forward_triton(
         plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1], band)
     o, lse = _run_forward(plan, q, k, v, is_causal, scale, warm)
     if first and not _wants_grad(q, k, v):
-        _start_siblings(key)  # (a call with gradients to come starts them after its backward)
+        _start_ahead(key)  # (a call with gradients to come starts them after its backward)
     return o, lse
 
 
@@ -485,10 +484,12 @@ def _run_forward(plan: ForwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if plan.reshape:
         q, k, v = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     if plan.gluon:
-        if warm is not None:  # (the Gluon kernels compile at their first launch)
-            return o, lse
         config, cached = plan.gluon
-        gluon.forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, is_causal, scale, config, cached=cached)
+        tensors = (as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, is_causal, scale, config)
+        if warm is not None:
+            warm.append(gluon.forward_ahead(*tensors))
+        else:
+            gluon.forward(*tensors, cached=cached)
         return o, lse
     if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
         triton.set_allocator(scratch)
@@ -654,7 +655,7 @@ def flash_backward_triton(
         forward_key = plan_key((q, k, v), is_causal, opts, band)
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
         grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
-        _start_siblings(forward_key)  # after the first call's launches, which they would slow (GIL)
+        _start_ahead(forward_key)  # after the first call's launches, which they would slow (GIL)
         return grads
     return _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
 
@@ -679,12 +680,15 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
             plan.dq_sum(buffer, dq_out, dq)
     if plan.kv:
         plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
-    elif warm is not None:  # (the Gluon kernels compile at their first launch)
-        return dq, dk, dv
     else:
         config, keywords = plan.gluon_kv
-        gluon.kv_pass(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do_tiles), lse, delta, as_bhsd(dk), as_bhsd(dv),
-                      is_causal, scale, config, dq_acc=dq_acc if plan.choice.atomic else None, **keywords)
+        tensors = (as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do_tiles), lse, delta, as_bhsd(dk), as_bhsd(dv),
+                   is_causal, scale, config)
+        acc = dq_acc if plan.choice.atomic else None
+        if warm is not None:
+            warm.append(gluon.kv_pass_ahead(*tensors, qrows=keywords["qrows"], dq_acc=acc))
+        else:
+            gluon.kv_pass(*tensors, dq_acc=acc, **keywords)
     if plan.kv_sums:
         dk_sum, dv_sum = plan.kv_sums
         dk_sum(buffer, dk_out, dk)
@@ -694,30 +698,11 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv
 
 
-def specialization(name: str, args: tuple, constexprs: dict) -> tuple:
-    """What Triton compiles a kernel anew for, of a launch's arguments: each tensor's dtype and 16-byte alignment,
-    each integer's classes (1, multiple of 16, 32-bit), also inside tuples (the strides), the other arguments'
-    types, and the constexprs."""
-
-    def spec(a):
-        if isinstance(a, torch.Tensor):
-            return (a.dtype, a.data_ptr() % 16 == 0)
-        if isinstance(a, tuple):
-            return tuple(spec(x) for x in a)
-        if isinstance(a, int) and not isinstance(a, bool):
-            return (a == 1, a % 16 == 0, -2**31 <= a < 2**31)
-        return a if isinstance(a, bool) else type(a)
-
-    return (name, spec(tuple(args)), tuple(constexprs.items()))
-
-
-_IN_FLIGHT: dict[tuple, Future] = {}  # per `specialization`: its background compile (kept after it ends)
 _PREWARMED: set[tuple] = set()  # forward signatures whose kernels were sent to the background
-_SIBLINGS: dict[tuple, Callable[[], None]] = {}  # per forward signature: submits its other length class's compiles
-# q's bytes up to which a first call prewarms: its collected launches hold about ten buffers of q's size until
-# they compile (larger calls take long enough that their compile matters less, and memory may be tight)
+_AHEAD: dict[tuple, Callable[[], None]] = {}  # per forward signature: submits the compiles for its later calls
+# q's bytes up to which a call prewarms: its collected launches hold about ten buffers of q's size until they
+# compile (larger calls take long enough that their compile matters less, and memory may be tight)
 PREWARM_MAX_BYTES = 64 << 20
-_POOL: list[ThreadPoolExecutor] = []
 
 
 def _wants_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -733,8 +718,9 @@ def _sibling_length(n: int) -> int:
 
 def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
              backward: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[list, list]:
-    """The Triton launches a call on tensors of these layouts makes: its forward's, and with `backward` its
-    backward's for dO as autograd hands it most often (contiguous) and as o.sum() hands it (an expand)."""
+    """The launches (Triton's and Gluon's) a call on tensors of these layouts makes: its forward's, and with
+    `backward` its backward's for dO as autograd hands it most often (contiguous) and as o.sum() hands it (an
+    expand)."""
     forward: list = []
     o, lse = flash_forward_triton(q, k, v, is_causal, opts, warm=forward, window=window)
     launches: list = []
@@ -744,60 +730,64 @@ def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return forward, launches
 
 
+def _maker(t: torch.Tensor, n: int) -> Callable[[], torch.Tensor]:
+    """A maker of empty tensors of t's dtype, device and layout (`empty_like`'s) with n positions along the sequence;
+    it holds nothing of t."""
+    shape, dtype, device = (*t.shape[:-2], n, t.shape[-1]), t.dtype, t.device
+    if _heads_inside(t):
+        return lambda: torch.empty(shape[0], n, shape[1], shape[3], dtype=dtype, device=device).transpose(1, 2)
+    return lambda: torch.empty(shape, dtype=dtype, device=device)
+
+
 def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
             key: tuple, window: tuple[int, int] = NO_WINDOW) -> None:
-    """At the first forward of a signature, compile in background threads (Triton's compiler leaves the GIL for most
-    of its work) what later calls will need, while the forward compiles its own kernel:
+    """At the first forward of a signature, compile in background threads (`background`) what later calls will need,
+    while the forward compiles its own kernel:
       - with gradients to come, its backward's kernels (for dO contiguous and as o.sum() expands it): each launch of
-        the first backward waits for its kernel's compile and finds it in Triton's cache;
-      - once the first call has run (`_start_siblings`), the kernels of lengths of the other integer class
-        (multiples of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower
-        steps on the H200), so a new length of the other class finds its kernels compiled (or in flight).
-    Any launch whose kernel is still compiling in the background waits for that compile (`_IN_FLIGHT`). A dO of
-    another layout compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES."""
+        the first backward waits for its kernel's compile and finds it in the JIT's cache;
+      - once the first call has run (`_start_ahead`), the kernels of lengths of the other integer class (multiples
+        of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower steps on the
+        H200), so a new length of the other class finds its kernels compiled (or in flight);
+      - then, where the signature can run Gluon kernels (sm_90, 16-bit), the ones its batch and heads run at
+        `chooser.gluon_length`: a longer call finds them compiled.
+    Any launch whose kernel is still compiling in the background waits for that compile. A dO of another layout
+    compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels where
+    the placeholders at gluon_length would)."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _PREWARMED:
         return
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
         return
     grads = _wants_grad(q, k, v)
     _, own = _collect(q, k, v, is_causal, opts, grads, window)  # (the forward compiles now, in this thread)
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="cs336-flash-warm"))
-
-    device, dtype = q.device, q.dtype  # (not q itself: nothing of the call is held until the siblings start)
-
-    def warm(launcher: _Launcher, args: tuple, constexprs: dict) -> None:
-        with torch.cuda.device(device):
-            launcher.warm(args, constexprs)
-
-    def submit(launches: list) -> None:
-        for launcher, args, constexprs in launches:
-            spec = specialization(launcher.name, args, constexprs)
-            if spec not in _IN_FLIGHT:
-                _IN_FLIGHT[spec] = _POOL[0].submit(warm, launcher, args, constexprs)
-
     _PREWARMED.add(key)
-    submit(own)
-    shapes = [(*t.shape[:-2], _sibling_length(t.shape[-2]), t.shape[-1]) for t in (q, k, v)]
+    background.submit(own, q.device)
+    makers = [[_maker(t, _sibling_length(t.shape[-2])) for t in (q, k, v)]]
+    n = chooser.gluon_length(q.numel() // (q.shape[-2] * q.shape[-1]), q.shape[-1], is_causal)
+    if (q.dtype in gluon.GLUON_DTYPES and window == NO_WINDOW
+            and q.numel() // q.shape[-2] * n * q.element_size() <= PREWARM_MAX_BYTES):
+        makers.append([_maker(t, n) for t in (q, k, v)])  # (k, v at n too: a self-attention call)
+    device = q.device  # (not q itself: nothing of the call is held until these start)
 
-    def siblings() -> None:
-        other_forward, other = _collect(*(torch.empty(s, device=device, dtype=dtype) for s in shapes), is_causal,
-                                        opts, grads, window)
-        submit(other_forward + other)
+    def ahead() -> None:
+        sibling_forward, sibling = _collect(*(make() for make in makers[0]), is_causal, opts, grads, window)
+        background.submit(sibling_forward + sibling, device)
+        if len(makers) > 1:  # (of that call's launches, the Gluon kernels: a Triton kernel there runs no call here)
+            longer_forward, longer = _collect(*(make() for make in makers[1]), is_causal, opts, grads, window)
+            background.submit([x for x in longer_forward + longer if not isinstance(x[0], _Launcher)], device)
 
-    _SIBLINGS[key] = siblings
+    _AHEAD[key] = ahead
 
 
 def wait_for_background_compiles() -> None:
     """Block until every background compile started so far has ended (benchmarks that time settled calls)."""
-    wait(tuple(_IN_FLIGHT.values()))
+    background.wait_all()
 
 
-def _start_siblings(key: tuple) -> None:
-    """Start the background compiles of the other length class of a signature, once its first call has run (its
+def _start_ahead(key: tuple) -> None:
+    """Start the background compiles for a signature's later calls (`prewarm`), once its first call has run (its
     forward without gradients, else its first backward): started earlier, they take the GIL from that call's own
     compiles and launches."""
-    start = _SIBLINGS.pop(key, None)
+    start = _AHEAD.pop(key, None)
     if start is not None:
         start()
 
