@@ -54,20 +54,25 @@ def compile_ahead(kernel, args: tuple, constexprs: dict) -> None:
     compiled._init_handles()  # the module load and the C launcher's build, otherwise paid at the first launch
 
 
-def submit(launches: list, device: torch.device) -> None:
+def submit(launches: list, device: torch.device, after: tuple[Future, ...] = ()) -> tuple[Future, ...]:
     """Compile each (launcher, arguments, constexprs) in the background on `device`, unless its specialization was
-    submitted before."""
+    submitted before; those compiles start once the compiles `after` have ended (the pool runs them in order of
+    submission: the threads waiting for `after` do not hold back what came earlier). Gives every launch's compile."""
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="cs336-flash-warm"))
 
     def warm(launcher, args: tuple, constexprs: dict) -> None:
+        wait(after)
         with torch.cuda.device(device):
             launcher.warm(args, constexprs)
 
+    futures = []
     for launcher, args, constexprs in launches:
         spec = specialization(launcher.name, args, constexprs, launcher.plain)
         if spec not in _IN_FLIGHT:
             _IN_FLIGHT[spec] = _POOL[0].submit(warm, launcher, args, constexprs)
+        futures.append(_IN_FLIGHT[spec])
+    return tuple(futures)
 
 
 def wait_for(launcher, args: tuple, constexprs: dict) -> None:
