@@ -127,14 +127,12 @@ def test_flash_chooser_routes_windowed_calls_to_unsplit_triton(sizes, opts):
 @pytest.mark.parametrize("sizes", [SMALL, LARGE, SHORT_GRID], ids=["small", "large", "short-grid"])
 @pytest.mark.parametrize("window", [False, True], ids=["no-window", "window"])
 def test_flash_chooser_routes_packed_calls_to_plain_unsplit_triton(sizes, opts, window):
-    """Packed sequences (varlen) run the Triton kernels' IS_VARLEN variant: unsplit, on block pointers (no TMA), no
-    Gluon, never inlined, and the two-pass backward whatever `deterministic` asks (it has no atomic dQ)."""
+    """Packed sequences (varlen) run the Triton kernels' IS_VARLEN variant: unsplit, no Gluon, never inlined, and the
+    two-pass backward whatever `deterministic` asks (it has no atomic dQ)."""
     packed = call(sizes=sizes, window=window, varlen=True)
     assert chooser.forward_design(packed, KernelOptions(**opts)) == (Forward.TRITON, 0)
     assert chooser.backward_design(packed, KernelOptions(**opts)) == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     assert not chooser.inlined(packed) and not chooser.inlined(packed, backward=True)
-    assert not chooser.uses_tma(packed)
-    assert chooser.uses_tma(call(sizes=sizes, window=window))
 
 
 def test_flash_chooser_routes_packed_calls_without_kernels_to_pytorch():

@@ -99,6 +99,27 @@ def test_varlen_matches_float64_per_sequence(is_causal, window):
     assert_close_to_float64(ours, q, k, v, do, LENGTHS_Q, LENGTHS_K, is_causal, window, ("abs", FP32_BOUND))
 
 
+@pytest.mark.parametrize("is_causal,window", [(True, (-1, -1)), (False, (3, 1))], ids=["causal", "window"])
+def test_varlen_tma_descriptors_bound_each_sequence(monkeypatch, is_causal, window):
+    """With TMA (forced, as on a Hopper GPU) each program's descriptors end at its sequence: ragged last tiles load
+    zeros and store nothing past it; an expanded dO (o.sum()'s) is copied once for the passes' descriptors."""
+    from cs336_systems.flash import chooser, launch
+
+    original, calls = launch.varlen_call, []
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(chooser, "tma_default", lambda index: True)
+    monkeypatch.setattr(launch, "varlen_call", spy)
+    q, k, v, do = packed_inputs(LENGTHS_Q, LENGTHS_K, 4, 2, 16, torch.float32, seed=5)
+    for grad in (do, q.new_ones(()).expand(q.shape)):
+        ours = ours_packed(q, k, v, grad, LENGTHS_Q, LENGTHS_K, is_causal, window)
+        assert_close_to_float64(ours, q, k, v, grad, LENGTHS_Q, LENGTHS_K, is_causal, window, ("abs", FP32_BOUND))
+    assert len(calls) == 4 and all(call.tma for call in calls)
+
+
 def test_varlen_plain_heads_odd_head_dim_and_strided_inputs():
     """H = Hkv, a head dim that is not a power of two, q, k, v as views of one fused projection (strided)."""
     lengths = [17, 1, 0, 40]

@@ -6,7 +6,7 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   forward                                           | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward, per sequence if packed)
-  packed sequences (`varlen`)                       | TRITON (unsplit, block pointers: no TMA, no Gluon)
+  packed sequences (`varlen`)                       | TRITON (unsplit, no Gluon)
   a sliding window (`band` not None)                | TRITON (unsplit; the Gluon kernels have no window)
   work >= GLUON_FWD_MIN_WORK, sm_90, 16-bit, d 64/128,
   a layout Gluon takes                              | GLUON
@@ -29,8 +29,9 @@ Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pas
 CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed
 call never splits: its reduction is bounded by the band, not by the sequence. Packed sequences (`varlen`: q, k, v
 (total, heads, D) with cu_seqlens) run the kernels' IS_VARLEN variant, a program per (sequence·head, tile) of a grid
-sized by the longest sequence, on block pointers (`uses_tma`); the window's tile skipping applies within each
-sequence.
+sized by the longest sequence, through TMA descriptors made per sequence where the layout allows (`Call.tma`: their
+bounds are the sequence's, so tiles past its end load zeros and store nothing), else block pointers; the window's tile
+skipping applies within each sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).
@@ -248,12 +249,6 @@ def inlined(call: Call, backward: bool = False) -> bool:
     return (call.kernels and call.sms > 0 and short and not call.window and not call.varlen
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
-
-
-def uses_tma(call: Call) -> bool:
-    """Whether the Triton kernels load through TMA descriptors: where the call's layout allows it (`Call.tma`), but not
-    for packed sequences, whose per-sequence bounds are block pointers' shapes."""
-    return call.tma and not call.varlen
 
 
 def band(window: tuple[int, int], is_causal: bool, n_q: int, n_k: int) -> tuple[int, int] | None:

@@ -850,11 +850,12 @@ def varlen_band(window: tuple[int, int], is_causal: bool, max_seqlen_q: int,
 
 
 def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                is_causal: bool, band: tuple[int, int] | None) -> chooser.Call:
-    """The chooser's view of a packed call (lengths: the longest sequences')."""
+                is_causal: bool, band: tuple[int, int] | None, *others: torch.Tensor) -> chooser.Call:
+    """The chooser's view of a packed call (lengths: the longest sequences'); TMA where every tensor the call's kernels
+    tile (q, k, v and `others`) allows it."""
     index = device_index(q)
     runs = q.is_cuda or INTERPRET
-    tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v)
+    tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v, *others)
     return chooser.Call(batch, q.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], is_causal, runs,
                         0 if index is None else chooser.sm_count(index), tma, False, False, False, band is not None,
                         varlen=True)
@@ -865,6 +866,8 @@ def _varlen_launch(kernel, name: str, call: chooser.Call, q: torch.Tensor, grid_
                    **constexprs) -> None:
     """Launch an IS_VARLEN kernel through Triton (a grid of (sequences·grid_heads, tiles of grid_rows)), its tiles
     from the tuning table at the longest sequences' lengths, every bounds check on (the lengths vary)."""
+    if call.tma:  # (descriptors made on the device take scratch from Triton's allocator: per thread)
+        triton.set_allocator(scratch)
     d = q.shape[2]
     d_tile = padded_dim(d)
     config = tile_config(name, DEFAULT_OPTIONS, q, d_tile, call.causal, max(call.n_q, 1), max(call.n_k, 1))
@@ -872,7 +875,7 @@ def _varlen_launch(kernel, name: str, call: chooser.Call, q: torch.Tensor, grid_
     window, has_window = _window_args(band)
     grid = TilesGrid(call.batch * grid_heads, grid_rows, "Q_TILE_SIZE" if name != "kv" else "K_TILE_SIZE")(meta)
     kernel[grid](*args, *window, D=d, D_TILE=d_tile, is_causal=call.causal, SKIP_MASKED_TILES=True,
-                 USE_TMA=chooser.uses_tma(call), PRECISION=chooser.precision(q.dtype), CHECK_Q=True, CHECK_K=True,
+                 USE_TMA=call.tma, PRECISION=chooser.precision(q.dtype), CHECK_Q=True, CHECK_K=True,
                  CHECK_D=d != d_tile, **has_window, IS_VARLEN=True, CU_SEQLENS_Q=cu_seqlens_q,
                  CU_SEQLENS_K=cu_seqlens_k, **meta, **constexprs)
 
@@ -893,7 +896,7 @@ def varlen_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     if not (batch and total_q):
         return o, lse
     band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
-    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band)
+    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band, o)
     assert chooser.forward_design(call) == (Forward.TRITON, 0)
     _varlen_launch(kernels.flash_fwd_kernel, "fwd", call, q, max_seqlen_q, heads,
                    (q, k, v, o, lse, *map(_packed_strides, (q, k, v, o)), heads, heads // k.shape[1], total_q,
@@ -920,7 +923,9 @@ def varlen_backward_triton(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     delta = q.new_empty((heads, total_q), dtype=torch.float32)
     band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
-    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band)
+    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band, o, dq, dk, dv)
+    if call.tma and not tma_ok(do):  # (o.sum()'s dO, an expand, or a misaligned one: one copy keeps the passes on TMA)
+        do = torch.empty_like(do, memory_format=torch.contiguous_format).copy_(do)
     assert chooser.backward_design(call) == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     sizes = (heads, heads // kv_heads, total_q, total_k, scale, 0)
     _varlen_launch(kernels.flash_bwd_dq_kernel, "dq", call, q, max_seqlen_q, heads,
