@@ -136,7 +136,7 @@ class Call:
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
     window: bool = False  # a sliding window (`band` not None): the Triton kernels, unsplit
-    varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels on block pointers, unsplit, two-pass
+    varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels, unsplit, two-pass
 
     @property
     def work(self) -> int:
