@@ -9,7 +9,7 @@ Cases (`--cases`):
   new_length  after one warm-up call (S 1024), the first call of each new sequence length (`--lengths`, bf16,
               2 × 16 × S × 64, causal) at once, while the background compiles the warm-up started may still
               run ("first", "second"), then of lengths new again (`--settled-lengths`) once they have ended
-              ("first settled"): milliseconds
+              ("first settled"), and of new batches at S 1024 (`--settled-batches`): milliseconds
   cpu         the CPU fallback (no CUDA, no interpreter) at 1 × 8 × 1024 × 64 fp32: the first call's seconds,
               first calls at other shapes and dtypes, and forward + backward against SDPA (medians, same process)
 Each case's child process prints one JSON object; a row per case and measure records it (`ms` is the measured
@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--settled-lengths", full=[1280, 2500, 1111, 2048, 4096], smoke=[56], type=positive_int, nargs="+",
               help="new sequence lengths called after the background compiles end (on an H200 2048 and 4096 route "
                    "to the Gluon kernels, which no background compile prepares)")
+    add_sized(p, "--settled-batches", full=[3, 8], smoke=[3], type=positive_int, nargs="+",
+              help="new batch sizes (x 16 x 1024 x 64) called after the background compiles end (8 routes the forward "
+                   "to the Gluon kernel on an H200)")
     add_sized(p, "--cpu-seq", full=1024, smoke=64, help="sequence length of the CPU case", type=positive_int)
     add_sized(p, "--timeout", full=600, smoke=300, help="seconds a child process may take", type=positive_int)
 
@@ -128,8 +131,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                         rec.measure({**fields, "mode": "second"}, lambda r=result: {"ms": r["second_ms"]})
                 continue
             if case == "new_length":
-                result = _child("new_length", {"lengths": args.lengths, "settled": args.settled_lengths}, cache, False,
-                                interpret, args.timeout)
+                result = _child("new_length", {"lengths": args.lengths, "settled": args.settled_lengths,
+                                               "batches": args.settled_batches}, cache, False, interpret, args.timeout)
                 fields = {**base, "variant": case, "dtype": "bf16", "batch": 2, "n_heads": 16, "d_head": 64,
                           "is_causal": True}
                 for length, (first_ms, second_ms) in zip(args.lengths, result["ms"]):
@@ -137,6 +140,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                     rec.measure({**fields, "seq_len": length, "mode": "second"}, lambda ms=second_ms: {"ms": ms})
                 for length, ms in zip(args.settled_lengths, result["settled_ms"]):
                     rec.measure({**fields, "seq_len": length, "mode": "first settled"}, lambda ms=ms: {"ms": ms})
+                for batch, ms in zip(args.settled_batches, result["batch_ms"]):
+                    rec.measure({**fields, "batch": batch, "seq_len": 1024, "mode": "first settled"},
+                                lambda ms=ms: {"ms": ms})
                 continue
             result = _child("cpu", {"seq": args.cpu_seq}, cache, True, False, args.timeout)
             fields = {**base, "variant": case, "dtype": "fp32", "batch": 1, "n_heads": 8, "seq_len": args.cpu_seq,
@@ -187,8 +193,8 @@ def _child_new_length(payload: dict) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def call(n: int) -> float:
-        q, k, v = (torch.randn(2, 16, n, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    def call(n: int, batch: int = 2) -> float:
+        q, k, v = (torch.randn(batch, 16, n, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         if device == "cuda":
             torch.cuda.synchronize()
@@ -201,7 +207,8 @@ def _child_new_length(payload: dict) -> dict:
     call(1024)  # compiles the signature's kernels, and starts the other length class's in the background
     ms = [(call(n), call(n)) for n in payload["lengths"]]
     launch.wait_for_background_compiles()
-    return {"ms": ms, "settled_ms": [call(n) for n in payload["settled"]]}
+    settled = [call(n) for n in payload["settled"]]
+    return {"ms": ms, "settled_ms": settled, "batch_ms": [call(1024, batch) for batch in payload["batches"]]}
 
 
 def _child_cpu(payload: dict) -> dict:

@@ -748,8 +748,8 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
       - once the first call has run (`_start_ahead`), the kernels of lengths of the other integer class (multiples
         of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower steps on the
         H200), so a new length of the other class finds its kernels compiled (or in flight);
-      - after those, where the signature can run Gluon kernels (sm_90, 16-bit), the kernels its batch and heads run
-        at `chooser.gluon_length`: a longer call finds them compiled.
+      - after those, where the signature can run Gluon kernels (sm_90, 16-bit, a layout they take), every kernel its
+        batch and heads run at `chooser.gluon_length`: a longer call finds them compiled.
     Any launch whose kernel is still compiling in the background waits for that compile. A dO of another layout
     compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels where
     the placeholders at gluon_length would)."""
@@ -772,8 +772,9 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         sibling_forward, sibling = _collect(*(make() for make in makers[0]), is_causal, opts, grads, window)
         siblings = background.submit(sibling_forward + sibling, device)
         if len(makers) > 1:  # (after the siblings: a new length of the same size is the likelier next call)
-            longer_forward, longer = _collect(*(make() for make in makers[1]), is_causal, opts, grads, window)
-            background.submit(longer_forward + longer, device, after=siblings)
+            longer = sum(_collect(*(make() for make in makers[1]), is_causal, opts, grads, window), [])
+            if any(not isinstance(launcher, _Launcher) for launcher, _, _ in longer):  # (else no Gluon kernel runs)
+                background.submit(longer, device, after=siblings)
 
     _AHEAD[key] = ahead
 
