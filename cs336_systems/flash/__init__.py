@@ -6,6 +6,7 @@
   autotune         opt-in autotuning: the config lists Triton's autotuner times (`cs336-bench autotune`)
   chooser          which design runs a call: pure functions of its metadata, with the routing table
   launch           per-signature plans and launches (C launches after the first), the CPU fallback
+  background       compiles ahead of a kernel's first launch, in threads; a launch waits for its own
   c_launch         a compiled kernel's direct C launch
   ops              the torch.library ops, `FlashAttention2Triton`, `flash_attention`
 

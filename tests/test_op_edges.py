@@ -46,7 +46,7 @@ def _inputs(seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flash_follows_autocast_as_sdpa_does(cpu_path, dtype):
+def test_op_follows_autocast_as_sdpa_does(cpu_path, dtype):
     """Under autocast q, k, v are cast to its dtype, as SDPA's are: the output is in that dtype and is what the op
     computes from the cast inputs; fp32 inputs get fp32 gradients, those of the cast run."""
     q, k, v, do = _inputs(seed=1)
@@ -60,7 +60,7 @@ def test_flash_follows_autocast_as_sdpa_does(cpu_path, dtype):
         assert torch.equal(x, y.to(x.dtype)), f"{name} differs from the op on inputs cast to {dtype}"
 
 
-def test_flash_backward_under_autocast_computes_as_outside_it(cpu_path):
+def test_op_backward_under_autocast_computes_as_outside_it(cpu_path):
     """A backward run inside the autocast region (allowed, if not advised) gives the gradients of one run outside:
     the recomputing backward's fp32 math is not lowered by autocast."""
     q, k, v, do = _inputs(seed=2)
@@ -74,7 +74,7 @@ def test_flash_backward_under_autocast_computes_as_outside_it(cpu_path):
         assert torch.equal(x, y), f"{name} differs when the backward runs under autocast"
 
 
-def test_flash_ops_follow_autocast(cpu_path):
+def test_op_ops_follow_autocast(cpu_path):
     """The ops called directly: the forward casts q, k, v to the autocast dtype; neither lets autocast lower the
     computation inside."""
     q, k, v, do = _inputs(seed=3)
@@ -90,7 +90,7 @@ def test_flash_ops_follow_autocast(cpu_path):
         assert torch.equal(x, y), f"{name} differs under autocast"
 
 
-def test_flash_compiled_follows_autocast(pytorch_path):
+def test_op_compiled_follows_autocast(pytorch_path):
     """torch.compile traces the autocast cast: a compiled call under autocast returns what the eager one does."""
     q, k, v, do = _inputs(seed=4)
     torch._dynamo.reset()
@@ -104,7 +104,7 @@ def test_flash_compiled_follows_autocast(pytorch_path):
 
 
 @pytest.mark.gpu
-def test_flash_follows_cuda_autocast():
+def test_op_follows_cuda_autocast():
     q, k, v, _ = (t.cuda() for t in _inputs(seed=5))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         o = flash_attention(q, k, v, True)
@@ -134,7 +134,7 @@ def _fake_layouts(op, args) -> list[tuple]:
         return _layouts(op(*fake))
 
 
-def test_flash_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
+def test_op_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
     """Strided inputs: every op's real outputs have the shapes, strides and dtypes its fake kernel promises
     (torch.compile's Inductor asserts them), and opcheck passes on them."""
     from cs336_systems.flash.ops import flash_attn_bwd_launch, flash_attn_fwd_launch
@@ -153,7 +153,7 @@ def test_flash_ops_real_outputs_have_the_fake_kernels_strides(cpu_path):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
-def test_flash_outputs_and_grads_keep_a_bshd_layout(cpu_path):
+def test_op_outputs_and_grads_keep_a_bshd_layout(cpu_path):
     """q, k, v as separate projections give them ((B, H, S, D) views of (B, S, H, D) memory): O and the gradients
     come back in that layout (reshaping O to (B, S, H·D) is a view, as with SDPA), the real ops' strides match their
     fake kernels', and the values match a float64 reference."""
@@ -180,7 +180,7 @@ def test_flash_outputs_and_grads_keep_a_bshd_layout(cpu_path):
         assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
 
 
-def test_flash_compiles_with_strided_inputs(pytorch_path):
+def test_op_compiles_with_strided_inputs(pytorch_path):
     """torch.compile over a fused projection's strided q, k, v: Inductor (which checks the op's output strides
     against its fake kernel's) and aot_eager, forward and backward, equal to eager."""
     q, k, v = _strided_qkv(seed=7)
@@ -206,7 +206,7 @@ def test_flash_compiles_with_strided_inputs(pytorch_path):
         assert torch.equal(a, b), f"{name}: compiled differs from eager"
 
 
-def test_flash_compiles_a_bshd_model_block_with_dynamic_lengths(pytorch_path):
+def test_op_compiles_a_bshd_model_block_with_dynamic_lengths(pytorch_path):
     """A model's attention (separate projections: q, k, v as (B, H, S, D) views of (B, S, H, D), O reshaped back) under
     torch.compile(dynamic=True): one graph serves two lengths, O's reshape stays a view (the op's fake O has the
     (B, S, H, D) layout), and forward and gradients equal eager."""
@@ -247,7 +247,7 @@ def test_flash_compiles_a_bshd_model_block_with_dynamic_lengths(pytorch_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_flash_fullgraph_compile_with_a_changing_scale(pytorch_path):
+def test_op_fullgraph_compile_with_a_changing_scale(pytorch_path):
     """A Python-float scale that changes between calls reaches the scale check as a SymFloat: still no graph
     break, and each call uses its own scale."""
     q, k, v, do = _inputs(seed=10)
@@ -273,7 +273,7 @@ def test_flash_fullgraph_compile_with_a_changing_scale(pytorch_path):
     ((2, 0, 8, 16), (2, 0, 8, 16), False),
 ], ids=["no-heads", "no-batch", "gqa-no-q-heads", "no-heads-batch-2"])
 @pytest.mark.parametrize("entry", ["function", "flash_attention"])
-def test_flash_empty_batch_or_heads_give_empty_outputs(cpu_path, q_shape, kv_shape, gqa, entry):
+def test_op_empty_batch_or_heads_give_empty_outputs(cpu_path, q_shape, kv_shape, gqa, entry):
     q = torch.randn(q_shape, requires_grad=True)
     k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
     if entry == "function":
@@ -287,7 +287,7 @@ def test_flash_empty_batch_or_heads_give_empty_outputs(cpu_path, q_shape, kv_sha
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(0, 8), (8, 0)])
-def test_flash_empty_sequences_are_value_errors(q_len, kv_len):
+def test_op_empty_sequences_are_value_errors(q_len, kv_len):
     q, k = torch.randn(1, 2, q_len, 16), torch.randn(1, 2, kv_len, 16)
     with pytest.raises(ValueError, match="sequence lengths must be at least 1"):
         flash_attention(q, k, k)
@@ -298,7 +298,7 @@ def test_flash_empty_sequences_are_value_errors(q_len, kv_len):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_flash_meta_tensors_give_outputs_of_the_right_shapes():
+def test_op_meta_tensors_give_outputs_of_the_right_shapes():
     """Meta tensors (shape inference; the kernels under the interpreter would copy them out): outputs and
     gradients of the right shapes on the meta device, for the function and for the ops."""
     q = torch.randn(2, 4, 24, 16, device="meta", requires_grad=True)
@@ -315,7 +315,7 @@ def test_flash_meta_tensors_give_outputs_of_the_right_shapes():
 
 
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
-def test_flash_refuses_torch_func_transforms_by_name(transform):
+def test_op_refuses_torch_func_transforms_by_name(transform):
     q = torch.randn(2, 2, 8, 16)
     calls = {
         "vmap": lambda: torch.func.vmap(lambda x: flash_attention(x, x, x))(q),
@@ -332,7 +332,7 @@ def test_flash_refuses_torch_func_transforms_by_name(transform):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_flash_pytorch_path_sums_a_gqa_group_in_fp32(pytorch_path, is_causal):
+def test_op_pytorch_path_sums_a_gqa_group_in_fp32(pytorch_path, is_causal):
     """bf16, 16 query heads over 1 K/V head: the group's dK and dV are summed in fp32 and rounded once, so they are
     as close to float64 as bf16 can hold them (rounding each query head's share before the sum was 1.4-1.7 times
     further)."""
@@ -356,7 +356,7 @@ def test_flash_pytorch_path_sums_a_gqa_group_in_fp32(pytorch_path, is_causal):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_flash_ops_take_a_window(cpu_path):
+def test_op_ops_take_a_window(cpu_path):
     """The ops' window_left/window_right: fake and real outputs agree and opcheck passes (schema, fake, autograd)."""
     q, k, v = _strided_qkv()
     fwd_args = (q, k, v, False, 0.25, 3, 1)
@@ -371,7 +371,7 @@ def test_flash_ops_take_a_window(cpu_path):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_flash_fullgraph_compile_with_a_window(pytorch_path, backend):
+def test_op_fullgraph_compile_with_a_window(pytorch_path, backend):
     """torch.compile(fullgraph=True) over flash_attention with a window (causal and not): no graph break, the
     eager results, forward and backward."""
     q, k, v, do = _inputs(seed=11)
@@ -385,7 +385,7 @@ def test_flash_fullgraph_compile_with_a_window(pytorch_path, backend):
             assert torch.equal(x, y), f"{name} with window {window}: compiled differs from eager"
 
 
-def test_flash_op_import_leaves_dynamo_and_inductor_unloaded():
+def test_op_op_import_leaves_dynamo_and_inductor_unloaded():
     """Importing the op costs no Inductor (3-7 s): its traced ops are registered when torch._dynamo loads, in either
     order of loading Inductor, and before anything is compiled."""
     import subprocess

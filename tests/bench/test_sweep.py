@@ -1,4 +1,4 @@
-"""`cs336-bench flash`: smoke sweep over the default implementations and an ablation variant, report."""
+"""`cs336-bench flash` (flash_benchmarking): a smoke sweep over the default implementations and a variant, report."""
 
 from __future__ import annotations
 
