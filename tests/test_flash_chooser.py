@@ -48,6 +48,7 @@ def test_flash_chooser_gluon_length_is_the_shortest_whole_tile_length_running_bo
     n = chooser.gluon_length(batch_heads, d, causal)
     assert n % 256 == 0 and designs(n) == ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
     assert n == 256 or designs(n - 256) != ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
+    assert chooser.gluon_length(0, d, causal) == chooser.gluon_length(1, d, causal)  # (no heads: as one)
 
 
 @pytest.mark.parametrize("facts,opts,expected", [

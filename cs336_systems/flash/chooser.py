@@ -208,7 +208,7 @@ def gluon_length(batch_heads: int, d: int, causal: bool) -> int:
     in Gluon by their work (`GLUON_FWD_MIN_WORK`, `gluon_bwd_min_work`): where a signature compiles its Gluon kernels
     ahead of its longer calls (`launch.prewarm`)."""
     work = max(GLUON_FWD_MIN_WORK, gluon_bwd_min_work(d) * (2 if causal else 1))
-    n = math.isqrt(-(-work // batch_heads) - 1) + 1  # (the ceiling of the square root)
+    n = math.isqrt(-(-work // max(batch_heads, 1)) - 1) + 1  # (the ceiling of the square root)
     return -(-n // 256) * 256
 
 
