@@ -71,3 +71,33 @@ def test_background_specialization_follows_the_jit():
     assert key(desc) == key(SimpleNamespace(base=torch.empty(4), block_shape=[64, 64]))
     assert key(desc) != key(SimpleNamespace(base=x, block_shape=[128, 64]))
     assert key(desc) != key(SimpleNamespace(base=x.half(), block_shape=[64, 64]))
+
+
+def test_background_compiles_not_started_are_dropped_at_exit(tmp_path):
+    """A process that exits while background compiles are queued waits only for those already running: the queued ones
+    are cancelled (a short script would otherwise wait for every compile its first calls queued)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    log = tmp_path / "ran.txt"
+    script = textwrap.dedent(f"""
+        import contextlib, time, torch
+        torch.cuda.device = lambda device: contextlib.nullcontext()  # (no GPU here)
+        from cs336_systems.flash import background
+
+        class Slow:
+            plain = frozenset()
+            def __init__(self, i):
+                self.name = f"slow{{i}}"
+            def warm(self, args, constexprs):
+                with open({str(log)!r}, "a") as f:
+                    f.write(self.name + "\\n")
+                time.sleep(0.5)
+
+        background.submit([(Slow(i), (), {{}}) for i in range(4 * background.WORKERS)], None)
+        time.sleep(0.2)  # the first WORKERS compiles have started
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    started = log.read_text().split()
+    assert 0 < len(started) <= 4 * 2, started  # (WORKERS = 4 running at exit; the other 12 were dropped)

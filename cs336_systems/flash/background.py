@@ -2,13 +2,15 @@
 kernel specialization, which a launch waits for rather than compiling the same kernel twice.
 
 A compile is submitted as (launcher, arguments, constexprs): the launcher has a `name`, `plain` (its kernel's
-`plain_positions`) and a `warm(arguments, constexprs)` that compiles and loads the kernel those arguments launch without launching it (`compile_ahead`).
-Triton's and Gluon's launchers both take this form. Triton's compiler leaves the GIL for most of its work, so the
-threads overlap the caller's own compiles and launches.
+`plain_positions`) and a `warm(arguments, constexprs)` that compiles and loads the kernel those arguments launch
+without launching it (`compile_ahead`). Triton's and Gluon's launchers both take this form. Triton's compiler leaves
+the GIL for most of its work, so the threads overlap the caller's own compiles and launches. At interpreter exit the
+compiles no thread has started are dropped.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -17,6 +19,7 @@ import torch
 _IN_FLIGHT: dict[tuple, Future] = {}
 _POOL: list[ThreadPoolExecutor] = []
 WORKERS = 4
+_EXITING = threading.Event()
 
 
 def specialization(name: str, args: tuple, constexprs: dict, plain: frozenset[int] = frozenset()) -> tuple:
@@ -60,9 +63,13 @@ def submit(launches: list, device: torch.device, after: tuple[Future, ...] = ())
     submission: the threads waiting for `after` do not hold back what came earlier). Gives every launch's compile."""
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="cs336-flash-warm"))
+        # (run at exit before the pool's own exit hook, which runs every queued compile: registered after it)
+        getattr(threading, "_register_atexit", lambda f: None)(_drop_pending)
 
     def warm(launcher, args: tuple, constexprs: dict) -> None:
         wait(after)
+        if _EXITING.is_set():
+            return
         with torch.cuda.device(device):
             launcher.warm(args, constexprs)
 
@@ -73,6 +80,14 @@ def submit(launches: list, device: torch.device, after: tuple[Future, ...] = ())
             _IN_FLIGHT[spec] = _POOL[0].submit(warm, launcher, args, constexprs)
         futures.append(_IN_FLIGHT[spec])
     return tuple(futures)
+
+
+def _drop_pending() -> None:
+    """At interpreter exit: cancel the compiles no thread has started (nothing will launch them), so that the exit
+    waits only for those already compiling."""
+    _EXITING.set()
+    for future in _IN_FLIGHT.values():
+        future.cancel()
 
 
 def wait_for(launcher, args: tuple, constexprs: dict) -> None:
