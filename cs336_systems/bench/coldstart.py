@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               nargs="+")
     add_sized(p, "--settled-lengths", full=[1280, 2500, 1111, 2048, 4096], smoke=[56], type=positive_int, nargs="+",
               help="new sequence lengths called after the background compiles end (on an H200 2048 and 4096 route "
-                   "to the Gluon kernels, which no background compile prepares)")
+                   "to the Gluon kernels, which the first call's background compiles prepare)")
     add_sized(p, "--settled-batches", full=[3, 8], smoke=[3], type=positive_int, nargs="+",
               help="new batch sizes (x 16 x 1024 x 64) called after the background compiles end (8 routes the forward "
                    "to the Gluon kernel on an H200)")
