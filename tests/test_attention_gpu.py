@@ -254,6 +254,33 @@ def test_flash_window_on_a_gluon_sized_call_meets_2x_rule(d_head):
     check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0), reference=reference)
 
 
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("window,is_causal", [((2048, 0), True), ((3000, 17), True), ((1500, 1000), False),
+                                              ((4000, 4000), False)], ids=str)
+def test_flash_window_gluon_kernels_meet_2x_rule(monkeypatch, window, is_causal, d_head):
+    """A windowed self-attention call whose band holds the Gluon kernels' work (1 x 16 x 8192, GQA 16:4, band edges
+    off the tiles) runs its forward and its backward (the single pass) there, the band passed to each kernel, and
+    meets the 2x rule."""
+    from cs336_systems.flash import launch
+    from cs336_systems.flash_triton import flash_attention
+
+    bands = []
+    for name in ("forward", "kv_pass"):
+        def spy(*args, band=None, _launch=getattr(launch.gluon, name), _name=name, **keywords):
+            bands.append((_name, band))
+            return _launch(*args, band=band, **keywords)
+
+        monkeypatch.setattr(launch.gluon, name, spy)
+    q, do = (randn_cuda(1, 16, 8192, d_head, seed=94 + i) for i in range(2))
+    k, v = (randn_cuda(1, 4, 8192, d_head, seed=96 + i) for i in range(2))
+    ours = run(lambda *a: flash_attention(*a, enable_gqa=True, window=window), q, k, v, do, is_causal)
+    band = launch.chooser.band(window, is_causal, 8192, 8192)
+    assert bands == [("forward", band), ("kv_pass", band)]
+    mask = band_mask(8192, 8192, window, is_causal, "cuda")
+    reference = lambda q, k, v, _causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0), reference=reference)
+
+
 def test_flash_window_skips_tiles_outside_the_band():
     """A 256-key window over 16384 tokens does about 1/30 of causal attention's work: the windowed forward and
     backward take well under a third of the causal ones' time (tiles outside the band are skipped, not masked)."""

@@ -111,14 +111,31 @@ SHORT_GRID = dict(batch=1, heads=1, n_q=32768, n_k=32768)
 @pytest.mark.parametrize("opts", [{}, {"gluon_fwd": True, "gluon_kv": True}, {"split_rows": 256}],
                          ids=["default", "gluon-forced", "split-forced"])
 @pytest.mark.parametrize("sizes", [SMALL, LARGE, SHORT_GRID], ids=["small", "large", "short-grid"])
-def test_flash_chooser_routes_windowed_calls_to_unsplit_triton(sizes, opts):
-    """The Gluon kernels have no window, and a band bounds every reduction: Triton, unsplit, never inlined."""
-    windowed = call(sizes=sizes, window=True)
-    assert chooser.forward_design(windowed, KernelOptions(**opts)) == (Forward.TRITON, 0)
-    two_pass = chooser.backward_design(windowed, KernelOptions(**opts))
-    assert two_pass == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
+@pytest.mark.parametrize("window_keys", [4097, 257], ids=["band-4097", "band-257"])
+def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
+    """A band bounds every reduction: unsplit, never inlined. The forward and the single-pass backward run in Gluon
+    where it takes the call (the launcher's facts: self-attention) and the band's work reaches each one's threshold
+    (or Gluon is forced), the backward unless deterministic is True; else the Triton designs, never the Gluon
+    two-pass dK/dV pass."""
+    windowed = call(sizes=sizes, window=True, window_keys=window_keys)
+    band_work = sizes["batch"] * sizes["heads"] * sizes["n_q"] * window_keys
+    assert windowed.visible_work == band_work
+    gluon = band_work >= chooser.gluon_bwd_min_work(64) if "gluon_kv" not in opts else opts["gluon_kv"]
+    gluon_fwd = band_work >= chooser.GLUON_FWD_MIN_WORK if "gluon_fwd" not in opts else opts["gluon_fwd"]
+    single = chooser.BackwardChoice(Backward.GLUON_SINGLE)
+    forward = chooser.forward_design(windowed, KernelOptions(**opts))
+    assert forward == ((Forward.GLUON, 0) if gluon_fwd else (Forward.TRITON, 0))
+    not_taken = call(sizes=sizes, window=True, window_keys=window_keys, gluon_fwd=False)
+    assert chooser.forward_design(not_taken, KernelOptions(**opts)) == (Forward.TRITON, 0)
+    default = chooser.backward_design(windowed, KernelOptions(**opts))
+    assert default == (single if gluon else chooser.BackwardChoice(Backward.TRITON_TWO_PASS))
     atomic = chooser.backward_design(windowed, KernelOptions(deterministic=False, **opts))
-    assert atomic == chooser.BackwardChoice(Backward.TRITON_SINGLE)
+    assert atomic == (single if gluon else chooser.BackwardChoice(Backward.TRITON_SINGLE))
+    deterministic = chooser.backward_design(windowed, KernelOptions(deterministic=True, **opts))
+    assert deterministic == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
+    no_gluon = chooser.backward_design(call(sizes=sizes, window=True, window_keys=window_keys, gluon_single=False),
+                                       KernelOptions(**opts))
+    assert no_gluon == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     assert not chooser.inlined(windowed)
 
 

@@ -127,6 +127,31 @@ def test_gluon_single_pass_keys_rejects_other_tiles():
             flash_gluon.kv_pass(x, x, x, x, lse, lse, x, x, True, 0.125, config, dq_acc=torch.empty(2, 256, 128))
 
 
+def test_gluon_window_reaches_the_forward_and_the_single_pass_on_self_attention_only():
+    """A window's band reaches the forward and the keys-on-rows single pass as two kernel arguments and HAS_WINDOW
+    (built on the CPU, not run); the other dK/dV kernels, and Nq != Nk, refuse it before anything is built."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    x = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
+    fewer = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16)
+    for band, has_window, tail in (((300, 0), True, (300, 0)), (None, False, (0, 0))):
+        _, args, constexprs = flash_gluon.forward_ahead(x, x, x, x, torch.empty(2, 1024), True, 0.125, band=band)
+        assert args[-2:] == tail and constexprs["HAS_WINDOW"] is has_window
+    with pytest.raises(ValueError, match="a window on self-attention only"):
+        flash_gluon.forward_ahead(fewer, x, x, fewer, torch.empty(2, 512), True, 0.125, band=(300, 0))
+    lse = torch.empty(2, 1024)
+    acc = torch.empty(2, 1024, 64)
+    _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc,
+                                                    band=(300, 0))
+    assert args[-2:] == (300, 0) and constexprs["HAS_WINDOW"] is True
+    _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc)
+    assert args[-2:] == (0, 0) and constexprs["HAS_WINDOW"] is False
+    for kwargs, q in (({}, x), ({"qrows": True}, x), ({"dq_acc": acc, "qrows": True}, x),
+                      ({"dq_acc": torch.empty(2, 512, 64)}, fewer)):
+        with pytest.raises(ValueError, match="a window runs only in the keys-on-rows single pass"):
+            flash_gluon.kv_pass_ahead(q, x, x, q, lse, lse, x, x, True, 0.125, band=(300, 0), **kwargs)
+
+
 @pytest.mark.gpu
 def test_gluon_kv_pass_declines_what_it_cannot_tile():
     """Lengths that do not divide into its tiles, other head dims, fp32, strided dO: the Triton pass (or, for the

@@ -31,8 +31,9 @@ def packed_inputs(lengths_q, lengths_k, heads, kv_heads, d, dtype, device=DEVICE
 
 def reference_packed(q, k, v, lengths_q, lengths_k, is_causal, window):
     """O of packed inputs, sequence by sequence: SDPA in q's dtype with an explicit boolean mask (the band and the
-    causal triangle, top-left aligned); a query that sees no key gets 0 (its mask row opened, its output zeroed, so
-    that no NaN reaches the gradients)."""
+    causal triangle, top-left aligned) on (1, H, n, D) tensors, the 4-dim call of the dense tests, which on a GPU runs
+    a fused kernel in q's dtype (3-dim tensors would run the math backend, which computes in fp32 and rounds once);
+    a query that sees no key gets 0 (its mask row opened, its output zeroed, so that no NaN reaches the gradients)."""
     group = q.shape[1] // k.shape[1]
     outs, q0, k0 = [], 0, 0
     for n_q, n_k in zip(lengths_q, lengths_k):
@@ -41,7 +42,7 @@ def reference_packed(q, k, v, lengths_q, lengths_k, is_causal, window):
         if n_q and n_k:
             keep = band_mask(n_q, n_k, window, is_causal, q.device)
             sees = keep.any(-1, keepdim=True)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep | ~sees)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=keep | ~sees)[0]
             outs.append(torch.where(sees, o, 0.0).transpose(0, 1))
         else:
             outs.append(q.new_zeros(n_q, q.shape[1], q.shape[2]) + 0 * qs.sum())

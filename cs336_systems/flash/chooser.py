@@ -7,9 +7,10 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward, per sequence if packed)
   packed sequences (`varlen`)                       | TRITON (unsplit, no Gluon)
-  a sliding window (`band` not None)                | TRITON (unsplit; the Gluon kernels have no window)
-  work >= GLUON_FWD_MIN_WORK, sm_90, 16-bit, d 64/128,
+  work >= GLUON_FWD_MIN_WORK (under a window: the
+  band's, self-attention), sm_90, 16-bit, d 64/128,
   a layout Gluon takes                              | GLUON
+  a sliding window (`band` not None) otherwise      | TRITON (unsplit)
   short grid (few heads × long sequences)           | TRITON_SPLIT (keys split, then merged)
   otherwise                                         | TRITON
 
@@ -17,10 +18,11 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward, per sequence if packed)
   packed sequences, whatever `deterministic`        | TRITON_TWO_PASS, unsplit, both passes in Triton, no TMA
-  a sliding window, deterministic False             | TRITON_SINGLE
-  a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic not True, visible work >= gluon_bwd_min_work(d),
-  Gluon single pass takes the call                  | GLUON_SINGLE (dQ by TMA reductions)
+  Gluon single pass takes the call (under a window:
+  the band's work, self-attention)                  | GLUON_SINGLE (dQ by TMA reductions)
+  a sliding window, deterministic False otherwise   | TRITON_SINGLE
+  a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
   otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from gluon_bwd_min_work where taken
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
@@ -135,8 +137,9 @@ class Call:
     gluon_fwd: bool      # the Gluon forward takes this call's layout (sm_90, 16-bit, d 64/128, ...)
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
-    window: bool = False  # a sliding window (`band` not None): the Triton kernels, unsplit
+    window: bool = False  # a sliding window (`band` not None): unsplit; in Gluon only self-attention's fwd, single pass
     varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels, unsplit, two-pass
+    window_keys: int = 0  # under a window, the most keys a query sees (left + right + 1, at most n_k)
 
     @property
     def work(self) -> int:
@@ -144,7 +147,9 @@ class Call:
 
     @property
     def visible_work(self) -> int:
-        """The work of the score tiles a causal call visits (about half)."""
+        """The work of the score tiles a causal call visits (about half), or a windowed call (its band's)."""
+        if self.window_keys:
+            return self.batch * self.heads * self.n_q * self.window_keys
         return self.work // 2 if self.causal else self.work
 
 
@@ -193,7 +198,9 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 
 def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bool:
-    if call.window or call.varlen:
+    """Whether a Gluon kernel that takes the call runs it (the launcher's facts say which take it: under a window
+    only the single pass)."""
+    if call.varlen:
         return False
     return work >= min_work if flag is None else flag
 
@@ -219,7 +226,8 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
     if call.varlen:
         return Forward.TRITON, 0
     chunk = _split(opts, call, call.n_q, call.n_k)
-    if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK, call.work) and not chunk and call.tma and call.gluon_fwd:
+    work = call.visible_work if call.window else call.work  # (a window's: its band's)
+    if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK, work) and not chunk and call.tma and call.gluon_fwd:
         return Forward.GLUON, 0
     return (Forward.TRITON_SPLIT, chunk) if chunk else (Forward.TRITON, 0)
 
@@ -238,7 +246,7 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
     dq_chunk = _split(opts, call, call.n_q, call.n_k)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
     kv_chunk = _split(opts, call, call.n_k, call.n_q)
-    gluon_kv = gluon and not kv_chunk and call.gluon_kv
+    gluon_kv = gluon and not kv_chunk and call.gluon_kv and not call.window  # (it has no window)
     return BackwardChoice(Backward.TRITON_TWO_PASS, gluon_kv, dq_chunk, kv_chunk)
 
 

@@ -182,6 +182,17 @@ def _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causa
 
 
 @gluon.jit
+def _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """`_visible_tiles` under a window: the query tiles holding a query i that sees a key j of the tile at k_start,
+    j - right <= i <= j + left (self-attention, N_QUERIES in whole BLOCK_M)."""
+    q_first = gl.maximum(k_start - WINDOW_RIGHT, 0) // BLOCK_M * BLOCK_M
+    q_end = gl.minimum(k_start + BLOCK_N + WINDOW_LEFT, N_QUERIES)
+    n_vis = gl.maximum(gl.cdiv(q_end - q_first, BLOCK_M), 0)
+    return q_first, n_vis, KV_GROUP * n_vis
+
+
+@gluon.jit
 def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
     """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V and the first
@@ -478,13 +489,21 @@ def _single_keys_dq_free(dq_empty, u):
 
 
 @gluon.jit
-def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr):
-    """Pᵀ (fp32) of a tile from its Sᵀ (scaled by scale·log2 e)."""
+def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
+    """Pᵀ (fp32) of a tile from its Sᵀ (scaled by scale·log2 e). band: (k_start, left, right) of a window
+    (HAS_WINDOW), whose edges mask the tiles they cut, found at run time (a uniform branch)."""
     s_layout: gl.constexpr = sT.type.layout
     pT = gl.exp2(sT - lse_t.load(s_layout) * LOG2E)
     if MASKED:  # query i sees key j iff i >= j
         offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
+    if HAS_WINDOW:  # query i sees key j iff i - left <= j <= i + right
+        k_start, left, right = band
+        if (q_start + sT.shape[1] - 1 - left > k_start) | (k_start + sT.shape[0] - 1 - right > q_start):
+            offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
+            i = gl.expand_dims(offs_q, 0)
+            j = gl.expand_dims(offs_k, 1)
+            pT = gl.where((j >= i - left) & (j <= i + right), pT, 0.0)
     return pT
 
 
@@ -498,7 +517,7 @@ def _single_keys_ds(pT, dpT, delta_t, dtype: gl.constexpr):
 @gluon.jit
 def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, cur, prev, ready, empty,
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, MASKED: gl.constexpr):
+                      STAGES: gl.constexpr, MASKED: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
     """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ (issued
     with dV and dK, not with Sᵀ and dPᵀ: that needs more registers than there are). cur: the buffers of tiles of t's
     parity, prev: those of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's
@@ -518,7 +537,7 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     dpT = warpgroup_mma(v_smem.index(z), do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _single_keys_barrier(t, empty, STAGES)
     sT = warpgroup_mma_wait(1, deps=(sT, ))
-    pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED)
+    pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED, band, HAS_WINDOW)
     dpT = warpgroup_mma_wait(0, deps=(dpT, ))
     pT, dsT = _single_keys_ds(pT, dpT, delta_smem.index(s), q_t.dtype)
     pT_a = gl.convert_layout(pT, a_layout)
@@ -549,44 +568,52 @@ def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
 @gluon.jit
 def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """Unmasked tiles t_first .. t_first+n-1, two per iteration: those of t_first's parity take the buffers x, the
-    others y."""
+                      STAGES: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
+    """Tiles t_first .. t_first+n-1, unmasked (but for a window's edges), two per iteration: those of t_first's
+    parity take the buffers x, the others y."""
     for i in range(n // 2):
         t = t_first + 2 * i
         dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False)
+                                   STAGES, False, band, HAS_WINDOW)
         dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False)
+                                   STAGES, False, band, HAS_WINDOW)
     if n % 2 == 1:
         dk, dv = _single_keys_tile(t_first + n - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, False)
+                                   BLOCK_M, STAGES, False, band, HAS_WINDOW)
     return dk, dv
 
 
 @gluon.jit
 def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
                      dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr, band,
+                     HAS_WINDOW: gl.constexpr):
     """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y. Under
     causal masking the first BLOCK_N / BLOCK_M tiles (1 or 2) are on the diagonal (with two, n_vis is even:
-    `supported` takes query lengths in whole BLOCK_N)."""
-    dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
-                               dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES, is_causal)
-    if is_causal and BLOCK_N == 2 * BLOCK_M:
-        dk, dv = _single_keys_tile(t0 + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
-                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, True)
-        dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+    `supported` takes query lengths in whole BLOCK_N). Under a window (causal folded into it) every tile checks
+    whether the band's edges cut it."""
+    if HAS_WINDOW:
+        dk, dv = _single_keys_rest(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES)
+                                   BLOCK_M, STAGES, band, HAS_WINDOW)
     else:
-        dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                   y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES)
+        dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
+                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                   STAGES, is_causal, band, HAS_WINDOW)
+        if is_causal and BLOCK_N == 2 * BLOCK_M:
+            dk, dv = _single_keys_tile(t0 + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x,
+                                       ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                       BLOCK_M, STAGES, True, band, HAS_WINDOW)
+            dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                                       delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
+                                       q_first, qk_scale, BLOCK_M, STAGES, band, HAS_WINDOW)
+        else:
+            dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                                       delta_smem, y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
+                                       q_first, qk_scale, BLOCK_M, STAGES, band, HAS_WINDOW)
     return dk, dv
 
 
@@ -611,7 +638,7 @@ def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, STAGES:
 def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
                          dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         band, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr):
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
@@ -638,11 +665,11 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
             if t0 % 2 == 0:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                           x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
-                                          BLOCK_M, BLOCK_N, STAGES, is_causal)
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, HAS_WINDOW)
             else:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                           y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
-                                          BLOCK_M, BLOCK_N, STAGES, is_causal)
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, HAS_WINDOW)
         last = total - 1
         if last % 2 == 0:
             _single_keys_last_dq(last, x, k_smem, dq_full, dq_empty, zero_dq, STAGES)
@@ -651,12 +678,12 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     return dk, dv
 
 
-@gluon.jit(do_not_specialize=_BY_LENGTH)
+@gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT"))
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
+    N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL, WINDOW_LEFT, WINDOW_RIGHT,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout). Grid (batch·kv_heads,
     key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
@@ -680,7 +707,9 @@ def flash_bwd_single_keys_gluon_kernel(
         dSᵀ -> shared;  wait dQ;  dQ -> shared (once the dQ warp has read the buffer);  wait dV, dK
     (Two parts of 64 queries per d-64 tile, the second's exponentials under the first's dV and dK, were slower on
     the H200.) Under causal masking the d-128 key tile spans two query
-    tiles of the diagonal.
+    tiles of the diagonal. With HAS_WINDOW (window (WINDOW_LEFT, WINDOW_RIGHT) as `chooser.band` gives it, causal
+    folded in; self-attention) a key tile visits only the query tiles of its band (`_band_tiles`), and each tile
+    masks itself where the band's edges cut it.
     dS and dQ buffers of tiles of either parity are separate shared allocations named statically (two tiles per
     loop iteration): Triton's shared-memory hazard analysis takes any view of an allocation for all of it, and two
     writes into one allocation between barriers would cost a CTA barrier each. The steady loop runs two CTA
@@ -689,7 +718,10 @@ def flash_bwd_single_keys_gluon_kernel(
     warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
     k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
-    q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
+    if HAS_WINDOW:  # (self-attention: every query sees its own key, so no row's L is -inf)
+        q_first, n_vis, total = _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    else:
+        q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
     # K, V and the dS, dQ buffers as (1, ...) allocations (`_single_keys_tile` indexes them)
@@ -722,7 +754,7 @@ def flash_bwd_single_keys_gluon_kernel(
     dk, dv = gl.warp_specialize([
         (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
                                 dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M, BLOCK_N,
-                                D, STAGES, is_causal, num_warps)),
+                                D, STAGES, is_causal, (k_start, WINDOW_LEFT, WINDOW_RIGHT), HAS_WINDOW, num_warps)),
         (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
                                lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
                                q_first, N_QUERIES, BLOCK_M, STAGES)),
@@ -780,24 +812,41 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k
 
 
 @gluon.jit
-def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr):
+def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
+                 band, HAS_WINDOW: gl.constexpr):
     """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
-    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j."""
-    if is_causal:
+    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. Under a window (band:
+    (left, right), causal folded in) query i sees key j iff i - left <= j <= i + right, on the tiles the band's
+    edges cut; a row may see no key of its first tiles: its max stays -inf and its exponentials are taken against
+    0 (0, not NaN)."""
+    if HAS_WINDOW:
+        left, right = band
+        if (first + sc.shape[0] - 1 - left > k_start) | (k_start + BLOCK_N - 1 - right > first):
+            offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
+            i = gl.expand_dims(offs_m, 1)
+            j = gl.expand_dims(offs_n, 0)
+            sc = gl.where((j >= i - left) & (j <= i + right), sc, float("-inf"))
+    elif is_causal:
         if k_start + BLOCK_N > first:
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
             sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    if HAS_WINDOW:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
 def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
-                  q_start, n_tiles, N_QUERIES, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, is_causal: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
-    """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored past N_QUERIES)."""
+                  q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                  WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored past N_QUERIES), over
+    n_tiles key tiles from key k_first."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -826,7 +875,8 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(0))
-    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal)
+    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first, first, qk_scale, BLOCK_N, is_causal, band,
+                                      HAS_WINDOW)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
@@ -839,7 +889,8 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_j read
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal)
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + j * BLOCK_N, first, qk_scale, BLOCK_N,
+                                          is_causal, band, HAS_WINDOW)
         # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
@@ -863,15 +914,17 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         tma.store_wait(pendings=0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("WINDOW_LEFT", "WINDOW_RIGHT"))
 def flash_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale,
+    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, num_warps: gl.constexpr,
+    WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), the longest causal
     tiles first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
-    in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log."""
+    in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band`
+    gives it, causal folded in; self-attention, so that every query sees its own key) a program streams only the
+    key tiles its rows' bands meet."""
     dtype: gl.constexpr = q_desc.dtype
     batch_head = gl.program_id(0)
     if is_causal:
@@ -885,10 +938,17 @@ def flash_fwd_gluon_kernel(
     kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
     l_row = batch_head * N_QUERIES
     q_row = l_row + q_start
-    if is_causal:  # top-left: the keys up to the tile's last query
+    if HAS_WINDOW:  # the keys from the first row's left edge to the last row's right edge
+        j0 = gl.maximum(q_start - WINDOW_LEFT, 0) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(q_start + ROWS + WINDOW_RIGHT, N_KEYS), BLOCK_N) - j0
+    elif is_causal:  # top-left: the keys up to the tile's last query
+        j0 = 0
         n_tiles = gl.cdiv(gl.minimum(q_start + ROWS, N_KEYS), BLOCK_N)
     else:
+        j0 = 0
         n_tiles = N_KEYS // BLOCK_N
+    band = (WINDOW_LEFT, WINDOW_RIGHT)
+    k_first = j0 * BLOCK_N
 
     q_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -911,27 +971,27 @@ def flash_fwd_gluon_kernel(
     if WARPGROUPS == 2:
         gl.warp_specialize([
             (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
-                             WARPGROUPS, 0)),
+                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
+                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 0)),
             (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
-                             WARPGROUPS, 1)),
+                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
+                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 1)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, kv_row, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+                             empty_v, q_row, kv_row + k_first, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
-                             WARPGROUPS, 0)),
+                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
+                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 0)),
             (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
-                             WARPGROUPS, 1)),
+                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
+                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 1)),
             (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, n_tiles, N_QUERIES, scale, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
-                             WARPGROUPS, 2)),
+                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
+                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 2)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, kv_row, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+                             empty_v, q_row, kv_row + k_first, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
         ], [4, 4, 1], [REGS_3WG, REGS_3WG, 24])
 
 
@@ -1139,12 +1199,17 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cach
 
 
 def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
-                    qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None):
+                    qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None,
+                    band: tuple[int, int] | None = None):
     """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass);
-    groups: `_grouped_program`'s (HEAD_GROUP, TAIL) (default `kv_head_groups`')."""
+    groups: `_grouped_program`'s (HEAD_GROUP, TAIL) (default `kv_head_groups`'); band: a window's
+    (`chooser.band`), which only the keys-on-rows single pass takes, on self-attention."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
+    if band is not None and (qrows or not single or n_q != n_k):
+        raise ValueError(f"a window runs only in the keys-on-rows single pass, on self-attention (Nq = Nk), got "
+                         f"qrows={qrows}, single pass {single}, Nq {n_q}, Nk {n_k}")
     block_m, block_n, warps, stages = config or _configs(qrows, single)[d]
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass and its single pass take BLOCK_M = BLOCK_N = "
@@ -1156,6 +1221,8 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
                          f"keys), BLOCK_M = 64 or 128 and 2 stages, got {config}")
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
+    if single and not qrows:
+        constexprs["HAS_WINDOW"] = band is not None
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n))
@@ -1172,17 +1239,20 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     constexprs["num_warps"] = warps
     group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
     args += (heads, heads // kv_heads, n_q, n_k, scale, group, tail)
+    if single and not qrows:
+        args += band or (0, 0)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None, group, tail)
+           dq_acc is not None, group, tail, band)
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, args, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-            cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None) -> None:
+            cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None,
+            band: tuple[int, int] | None = None) -> None:
     """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
     `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
     launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
@@ -1190,47 +1260,53 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
     DQ_ATOMIC). groups: the heads run at once (`_grouped_program`'s (HEAD_GROUP, TAIL); default
-    `kv_head_groups`')."""
+    `kv_head_groups`'). band: a sliding window's (`chooser.band`; the keys-on-rows single pass, Nq = Nk)."""
     kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
-                                                          config, qrows, dq_acc, groups)
+                                                          config, qrows, dq_acc, groups, band)
     _launch(kernel, grid, args, constexprs, key, cached)
 
 
 def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-                  qrows: bool = False, dq_acc=None) -> tuple:
+                  qrows: bool = False, dq_acc=None, band: tuple[int, int] | None = None) -> tuple:
     """What `kv_pass` with these arguments would launch, as `background.submit` compiles it: (launcher, arguments,
     constexprs)."""
     kernel, _, args, constexprs, _ = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config,
-                                                     qrows, dq_acc)
+                                                     qrows, dq_acc, band=band)
     return _Ahead(kernel), args, constexprs
 
 
-def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config):
-    """(grid, arguments, constexprs, cache key) of a forward launch."""
+def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
+                     band: tuple[int, int] | None = None):
+    """(grid, arguments, constexprs, cache key) of a forward launch (band: a window's, `chooser.band`)."""
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
     groups = warps // 4
     if warps not in (8, 12):
         raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups (8 or 12 warps), got {warps} warps")
+    if band is not None and n_q != n_k:
+        raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
+                         f"Nk {n_k}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
-                      num_warps=4)
+                      HAS_WINDOW=band is not None, num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
-            heads // kv_heads, n_q, n_k, scale)
+            heads // kv_heads, n_q, n_k, scale, *(band or (0, 0)))
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0)  # (the grid, as in `_kv_launch_plan`)
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band)  # (the grid, as in `_kv_launch_plan`)
     return grid, args, constexprs, key
 
 
-def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True) -> None:
+def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
+            band: tuple[int, int] | None = None) -> None:
     """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
-    tensors `fwd_supported` accepted with the same config."""
-    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
+    tensors `fwd_supported` accepted with the same config. band: a sliding window's (`chooser.band`; Nq = Nk)."""
+    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config, band)
     _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)
 
 
-def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None) -> tuple:
+def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None,
+                  band: tuple[int, int] | None = None) -> tuple:
     """What `forward` with these arguments would launch, as `background.submit` compiles it."""
-    _, args, constexprs, _ = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config)
+    _, args, constexprs, _ = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config, band)
     return _Ahead(flash_fwd_gluon_kernel), args, constexprs

@@ -250,16 +250,19 @@ def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: boo
     tma = runs and tma_wanted(opts, q4) and tma_ok(q4, k4, v4)
     gluon_fwd = gluon_single = gluon_kv = False
     if tma:
-        gluon_fwd = gluon.fwd_supported(q4, k4, v4, _gluon_config(opts, opts.gluon_fwd, "fwd"))
+        gluon_fwd = (gluon.fwd_supported(q4, k4, v4, _gluon_config(opts, opts.gluon_fwd, "fwd"))
+                     and (band is None or n_q == k4.shape[2]))  # (a window: self-attention only)
         if do4 is not None and do4.dtype == q4.dtype:
             config = _gluon_config(opts, opts.gluon_kv, "kv")
-            # the single pass reads a contiguous dO (copied where it is not), so q stands in for it
-            gluon_single = gluon.supported(q4, k4, v4, q4, config, opts.single_qrows, single_pass=True)
+            # the single pass reads a contiguous dO (copied where it is not), so q stands in for it; under a
+            # window only the keys-on-rows single pass runs in Gluon, on self-attention
+            gluon_single = (gluon.supported(q4, k4, v4, q4, config, opts.single_qrows, single_pass=True)
+                            and (band is None or n_q == k4.shape[2] and not opts.single_qrows))
             do_read = q4 if (not tma_ok(do4) or do4.is_contiguous()) else do4  # dO as the two-pass passes load it
-            gluon_kv = gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
+            gluon_kv = band is None and gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
     return chooser.Call(batch, heads, n_q, k4.shape[2], d, causal, runs,
                         0 if index is None else chooser.sm_count(index), tma, gluon_fwd, gluon_single, gluon_kv,
-                        band is not None)
+                        band is not None, window_keys=0 if band is None else min(k4.shape[2], band[0] + band[1] + 1))
 
 
 class _PlannedLaunch:
@@ -393,7 +396,7 @@ class ForwardPlan:
     lse_shape: tuple[int, ...]
     reshape: bool                     # inputs of more than four dims: `as_bhsd` each call
     default_scale: float              # 1/sqrt(D)
-    gluon: tuple | None = None        # (config, cached) of the Gluon forward
+    gluon: tuple | None = None        # (config, cached, band) of the Gluon forward
     use_tma: bool = False
     split: tuple | None = None        # `split_buffers`' arguments where the keys split (a short grid),
     split_lse_shape: tuple | None = None  # and the partial L's shape
@@ -415,7 +418,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     lse_shape, reshape, default_scale = tuple(q.shape[:-1]), q.ndim > 4, d ** -0.5
     if design is Forward.GLUON:
         return ForwardPlan(design, lse_shape, reshape, default_scale,
-                           (_gluon_config(opts, opts.gluon_fwd, "fwd"), not launch_hooks_installed()))
+                           (_gluon_config(opts, opts.gluon_fwd, "fwd"), not launch_hooks_installed(), band))
     o4 = as_bhsd(empty_like(q))  # as each call allocates O
     split, split_lse_shape, chunks, out = None, None, 1, o4
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
@@ -484,12 +487,12 @@ def _run_forward(plan: ForwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if plan.reshape:
         q, k, v = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     if plan.gluon:
-        config, cached = plan.gluon
+        config, cached, band = plan.gluon
         tensors = (as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, is_causal, scale, config)
         if warm is not None:
-            warm.append(gluon.forward_ahead(*tensors))
+            warm.append(gluon.forward_ahead(*tensors, band=band))
         else:
-            gluon.forward(*tensors, cached=cached)
+            gluon.forward(*tensors, cached=cached, band=band)
         return o, lse
     if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
         triton.set_allocator(scratch)
@@ -617,7 +620,8 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, device)
     if gluon_single or (choice.gluon_kv and use_tma):
         gluon_kv = (_gluon_config(opts, opts.gluon_kv, "kv"),
-                    dict(cached=not launch_hooks_installed(), qrows=opts.single_qrows if gluon_single else opts.kv_qrows))
+                    dict(cached=not launch_hooks_installed(),
+                         qrows=opts.single_qrows if gluon_single else opts.kv_qrows, band=band))
     else:
         launcher, config = tiled_launch("kv", tile_config("kv", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
                                         d_tile, use_tma)
@@ -686,7 +690,7 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
                    is_causal, scale, config)
         acc = dq_acc if plan.choice.atomic else None
         if warm is not None:
-            warm.append(gluon.kv_pass_ahead(*tensors, qrows=keywords["qrows"], dq_acc=acc))
+            warm.append(gluon.kv_pass_ahead(*tensors, qrows=keywords["qrows"], dq_acc=acc, band=keywords["band"]))
         else:
             gluon.kv_pass(*tensors, dq_acc=acc, **keywords)
     if plan.kv_sums:
