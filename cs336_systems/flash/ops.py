@@ -314,6 +314,7 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, 
     scale = check_scale(scale, Q.shape[-1])
     deterministic = deterministic_flag(deterministic)
     check_head_dim(Q.shape[-1])
+    keys: list = []  # the eager kernels' plan key, which finds the backward's plan faster
     if Q.is_meta or not Q.numel():  # nothing to compute: no data (meta), or no rows (batch or heads 0)
         O, L = _empty_outputs(Q)
     elif opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
@@ -321,10 +322,10 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, 
     elif torch.compiler.is_compiling():
         O, L = flash_attn_fwd(Q, K, V, is_causal, scale, *window)
     else:
-        O, L = attention_forward(Q, K, V, is_causal, scale, window=window)
+        O, L = attention_forward(Q, K, V, is_causal, scale, window=window, keys=keys)
     ctx.save_for_backward(L, Q, K, V, O)
     ctx.is_causal, ctx.scale, ctx.deterministic, ctx.opts = is_causal, scale, deterministic, opts
-    ctx.window = window
+    ctx.window, ctx.plan_key = window, keys[0] if keys else None
     return O
 
 
@@ -342,7 +343,7 @@ def _backward(ctx, dO):
         dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic, *ctx.window)
     else:
         dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, OPTIONS[ctx.deterministic],
-                                        ctx.window)
+                                        ctx.window, ctx.plan_key)
     return dQ, dK, dV, None, None, None, None, None
 
 
