@@ -242,8 +242,8 @@ def test_flash_window_bf16_meets_2x_rule(window, is_causal, deterministic):
 
 @pytest.mark.parametrize("d_head", [64, 128])
 def test_flash_window_on_a_gluon_sized_call_meets_2x_rule(d_head):
-    """A call large enough for the Gluon kernels (which have no window) runs the windowed Triton kernels, GQA and
-    Nq != Nk included."""
+    """A call large enough for the Gluon kernels but with Nq != Nk (they take a window on self-attention only) runs
+    the windowed Triton kernels, GQA included."""
     from cs336_systems.flash_triton import flash_attention
 
     q, do = (randn_cuda(1, 16, 8192, d_head, seed=90 + i) for i in range(2))
