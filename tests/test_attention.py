@@ -269,7 +269,6 @@ def fresh_plans(monkeypatch):
 
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
-    monkeypatch.setattr(launch, "_BACKWARD_AFTER", {})
 
 
 @pytest.mark.parametrize("opts,min_work,gluon_config", [
@@ -582,7 +581,6 @@ def test_attention_host_plans_keep_apart_calls_that_differ(monkeypatch, fresh_pl
     assert all(len(seen) == 1 for seen in signatures.values()), "a planned launch served two launcher signatures"
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
-    monkeypatch.setattr(launch, "_BACKWARD_AFTER", {})
     launches.clear()
     _plan_call(**second)
     assert after_another == launches
@@ -598,34 +596,6 @@ def test_attention_host_plans_take_the_scale_per_call(fresh_plans):
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
             assert rel_err(x, ref) <= 1e-5, f"scale {scale}, {name}: relative error {rel_err(x, ref):.3g}"
     assert len(launch._FORWARD_PLANS) == len(launch._BACKWARD_PLANS) == 1
-
-
-def test_attention_backward_finds_its_plan_by_the_forwards_key(fresh_plans, monkeypatch):
-    """After a signature's first step the class's backward takes its plan by the forward's plan key and dO's layout:
-    a later step computes one plan key (the forward's), and its outputs are the first step's and those of the
-    general path (the backward called without the forward's key)."""
-    from cs336_systems.flash import launch
-    from cs336_systems.flash_triton import FlashAttention2Triton
-
-    gen = torch.Generator().manual_seed(7)
-    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=gen).to(DEVICE) for _ in range(4))
-
-    def step():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = FlashAttention2Triton.apply(*leaves, True)
-        o.backward(do)
-        return [o.detach()] + [t.grad for t in leaves]
-
-    first = step()
-    keys = []
-    plan_key = launch.plan_key
-    monkeypatch.setattr(launch, "plan_key", lambda *args: keys.append(args) or plan_key(*args))
-    second = step()
-    assert len(keys) == 1 and len(launch._BACKWARD_AFTER) == 1
-    o, lse = launch.flash_forward_triton(q, k, v, True)
-    general = launch.flash_backward_triton(q, k, v, o, lse, do, True)
-    for name, a, b, c in zip(("O", "dQ", "dK", "dV"), first, second, [o, *general]):
-        assert torch.equal(a, b) and torch.equal(b, c), name
 
 
 @pytest.mark.parametrize("shape,expected", [
@@ -873,8 +843,7 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     assert len({background.specialization(l.name, a, c) for l, a, c in backward}) == 3
     _, plain = launch._collect(q, q, q, True, chooser.KernelOptions(tma=False), True)
     assert len({background.specialization(l.name, a, c) for l, a, c in plain}) == 4
-    # nothing kept that a real call would reuse
-    assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS and not launch._BACKWARD_AFTER
+    assert not launch._FORWARD_PLANS and not launch._BACKWARD_PLANS  # nothing kept that a real call would reuse
     assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [15, 48, 1023, 1040]
 
 

@@ -454,20 +454,17 @@ def _check_launchable(q: torch.Tensor) -> None:
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None, warm: list | None = None,
-    window: tuple[int, int] = NO_WINDOW, keys: list | None = None,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (..., H, Nq, D) in q's dtype and L (..., H, Nq) fp32, for checked inputs (k, v: (..., Hkv, Nk, D)). warm: a
     list that collects the Triton launches the call would make, launching none (`prewarm`). window: a checked
-    (left, right) sliding window (`chooser.band`). keys: a list that gets the call's plan key, which its backward
-    may pass on (`flash_backward_triton`'s forward_key)."""
+    (left, right) sliding window (`chooser.band`)."""
     _check_launchable(q)
     band = call_band(q, k, is_causal, window)
     key = plan_key((q, k, v), is_causal, opts, band)
     if _off_current_device(q, key):
         with torch.cuda.device(q.device):
-            return flash_forward_triton(q, k, v, is_causal, opts, scale, warm, window, keys)
-    if keys is not None:
-        keys.append(key)
+            return flash_forward_triton(q, k, v, is_causal, opts, scale, warm, window)
     plan = _FORWARD_PLANS.get(key)
     first = warm is None and plan is None
     if warm is not None:
@@ -570,10 +567,6 @@ class BackwardPlan:
 
 
 _BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}
-# the same plans by (the forward's plan key, the backward's options, dO's layout, the fp32 matmul precision, whether
-# launch hooks are installed): the forward's key fixes q, k, v and the layouts of the O and L it allocated, so a
-# backward handed them (`attention_backward`'s forward_key) skips the layouts of six tensors
-_BACKWARD_AFTER: dict[tuple, BackwardPlan] = {}
 
 
 def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
@@ -650,18 +643,10 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     do: torch.Tensor, is_causal: bool, opts: KernelOptions = DEFAULT_OPTIONS, scale: float | None = None,
-    warm: list | None = None, window: tuple[int, int] = NO_WINDOW, forward_key: tuple | None = None,
+    warm: list | None = None, window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype) from the saved forward tensors and dO (any strides). warm: a list that
-    collects the Triton launches the call would make, launching none (`prewarm`). window: the forward's.
-    forward_key: the plan key `flash_forward_triton` gave for these q, k, v, where o and lse are the outputs it
-    allocated: the plan is then found by it and dO's layout."""
-    after = None
-    if forward_key is not None and warm is None:
-        after = (forward_key, opts, _layout(do), chooser.precision(q.dtype), launch_hooks_installed())
-        plan = _BACKWARD_AFTER.get(after)
-        if plan is not None and not (q.is_cuda and torch.cuda.current_device() != q.device.index):
-            return _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, None)
+    collects the Triton launches the call would make, launching none (`prewarm`). window: the forward's."""
     band = call_band(q, k, is_causal, window)
     key = plan_key((q, k, v, o, lse, do), is_causal, opts, band)
     if _off_current_device(q, key):
@@ -671,15 +656,11 @@ def flash_backward_triton(
     if warm is not None:  # (a plan of its own, not kept: the collecting call launches nothing)
         plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
     elif plan is None:
-        first_key = plan_key((q, k, v), is_causal, opts, band)
+        forward_key = plan_key((q, k, v), is_causal, opts, band)
         plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
-        if after is not None:
-            _BACKWARD_AFTER[after] = plan
         grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
-        _start_ahead(first_key)  # after the first call's launches, which they would slow (GIL)
+        _start_ahead(forward_key)  # after the first call's launches, which they would slow (GIL)
         return grads
-    if after is not None:
-        _BACKWARD_AFTER[after] = plan
     return _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
 
 
@@ -830,11 +811,10 @@ def _group(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS,
-                      window: tuple[int, int] = NO_WINDOW, keys: list | None = None):
-    """(O, L): the Triton kernels, or on a CPU without the interpreter the tiled PyTorch forward. keys: a list that
-    gets the kernels' plan key (`flash_forward_triton`)."""
+                      window: tuple[int, int] = NO_WINDOW):
+    """(O, L): the Triton kernels, or on a CPU without the interpreter the tiled PyTorch forward."""
     if q.device.type == "cuda" or INTERPRET:
-        return flash_forward_triton(q, k, v, is_causal, opts, scale, window=window, keys=keys)
+        return flash_forward_triton(q, k, v, is_causal, opts, scale, window=window)
     group = _group(q, k)
     o, lse = flash_forward_tiled(q, _repeat_kv(k, group), _repeat_kv(v, group), is_causal, CPU_Q_TILE, CPU_K_TILE,
                                  scale=scale, band=call_band(q, k, is_causal, window))
@@ -842,13 +822,11 @@ def attention_forward(q, k, v, is_causal: bool, scale: float, opts: KernelOption
 
 
 def attention_backward(do, q, k, v, o, lse, is_causal: bool, scale: float, opts: KernelOptions = DEFAULT_OPTIONS,
-                       window: tuple[int, int] = NO_WINDOW, forward_key: tuple | None = None):
+                       window: tuple[int, int] = NO_WINDOW):
     """(dQ, dK, dV): the Triton kernels, or the recomputing PyTorch backward (a CPU without the interpreter, or
-    the ablation variant that keeps it). A GQA group's dK and dV are summed in fp32, then rounded once.
-    forward_key: the plan key `attention_forward` gave (keys) where o and lse are its outputs."""
+    the ablation variant that keeps it). A GQA group's dK and dV are summed in fp32, then rounded once."""
     if opts.triton_backward and (q.device.type == "cuda" or INTERPRET):
-        return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, window=window,
-                                     forward_key=forward_key)
+        return flash_backward_triton(q, k, v, o, lse, do, is_causal, opts, scale, window=window)
     group = _group(q, k)
     dq, dk, dv = backward_for(q.device)(q, _repeat_kv(k, group), _repeat_kv(v, group), o, do, lse, is_causal, scale,
                                         grad_dtype=torch.float32 if group > 1 else None,

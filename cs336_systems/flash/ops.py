@@ -314,7 +314,6 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, 
     scale = check_scale(scale, Q.shape[-1])
     deterministic = deterministic_flag(deterministic)
     check_head_dim(Q.shape[-1])
-    keys: list = []  # the eager kernels' plan key, which finds the backward's plan faster
     if Q.is_meta or not Q.numel():  # nothing to compute: no data (meta), or no rows (batch or heads 0)
         O, L = _empty_outputs(Q)
     elif opts is not DEFAULT_OPTIONS:  # variants: the launchers run eagerly (a graph break)
@@ -322,10 +321,10 @@ def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, 
     elif torch.compiler.is_compiling():
         O, L = flash_attn_fwd(Q, K, V, is_causal, scale, *window)
     else:
-        O, L = attention_forward(Q, K, V, is_causal, scale, window=window, keys=keys)
+        O, L = attention_forward(Q, K, V, is_causal, scale, window=window)
     ctx.save_for_backward(L, Q, K, V, O)
     ctx.is_causal, ctx.scale, ctx.deterministic, ctx.opts = is_causal, scale, deterministic, opts
-    ctx.window, ctx.plan_key = window, keys[0] if keys else None
+    ctx.window = window
     return O
 
 
@@ -343,7 +342,7 @@ def _backward(ctx, dO):
         dQ, dK, dV = flash_attn_bwd(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, ctx.deterministic, *ctx.window)
     else:
         dQ, dK, dV = attention_backward(dO, Q, K, V, O, L, ctx.is_causal, ctx.scale, OPTIONS[ctx.deterministic],
-                                        ctx.window, ctx.plan_key)
+                                        ctx.window)
     return dQ, dK, dV, None, None, None, None, None
 
 
