@@ -55,7 +55,8 @@ the backward's tiles wait on memory. The forward keeps its order: its K and V ro
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
-into the tiles. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
+into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass only, on
+self-attention. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
 Variants measured slower and removed (docs/design.md, "Designs tried", has each with its commit): K and V as
 register operands of Sᵀ and dPᵀ; the next tile's Sᵀ issued before this tile's dSᵀ; a warp-specialized dK/dV pass,
