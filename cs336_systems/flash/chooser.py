@@ -199,7 +199,7 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bool:
     """Whether a Gluon kernel that takes the call runs it (the launcher's facts say which take it: under a window
-    only the single pass)."""
+    the forward and the single pass, on self-attention)."""
     if call.varlen:
         return False
     return work >= min_work if flag is None else flag
