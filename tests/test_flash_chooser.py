@@ -117,7 +117,7 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
     where it takes the call (the launcher's facts: self-attention) and the band's work reaches each one's threshold
     (or Gluon is forced), the backward unless deterministic is True; else the Triton designs, never the Gluon
     two-pass dK/dV pass."""
-    windowed = call(sizes=sizes, window=True, window_keys=window_keys)
+    windowed = call(sizes=sizes, window_keys=window_keys)
     band_work = sizes["batch"] * sizes["heads"] * sizes["n_q"] * window_keys
     assert windowed.visible_work == band_work
     gluon = band_work >= chooser.gluon_bwd_min_work(64) if "gluon_kv" not in opts else opts["gluon_kv"]
@@ -125,7 +125,7 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
     single = chooser.BackwardChoice(Backward.GLUON_SINGLE)
     forward = chooser.forward_design(windowed, KernelOptions(**opts))
     assert forward == ((Forward.GLUON, 0) if gluon_fwd else (Forward.TRITON, 0))
-    not_taken = call(sizes=sizes, window=True, window_keys=window_keys, gluon_fwd=False)
+    not_taken = call(sizes=sizes, window_keys=window_keys, gluon_fwd=False)
     assert chooser.forward_design(not_taken, KernelOptions(**opts)) == (Forward.TRITON, 0)
     default = chooser.backward_design(windowed, KernelOptions(**opts))
     assert default == (single if gluon else chooser.BackwardChoice(Backward.TRITON_TWO_PASS))
@@ -133,7 +133,7 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
     assert atomic == (single if gluon else chooser.BackwardChoice(Backward.TRITON_SINGLE))
     deterministic = chooser.backward_design(windowed, KernelOptions(deterministic=True, **opts))
     assert deterministic == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
-    no_gluon = chooser.backward_design(call(sizes=sizes, window=True, window_keys=window_keys, gluon_single=False),
+    no_gluon = chooser.backward_design(call(sizes=sizes, window_keys=window_keys, gluon_single=False),
                                        KernelOptions(**opts))
     assert no_gluon == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     assert not chooser.inlined(windowed)
@@ -147,7 +147,7 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
 def test_flash_chooser_routes_packed_calls_to_plain_unsplit_triton(sizes, opts, window):
     """Packed sequences (varlen) run the Triton kernels' IS_VARLEN variant: unsplit, no Gluon, never inlined, and the
     two-pass backward whatever `deterministic` asks (it has no atomic dQ)."""
-    packed = call(sizes=sizes, window=window, varlen=True)
+    packed = call(sizes=sizes, window_keys=257 if window else 0, varlen=True)
     assert chooser.forward_design(packed, KernelOptions(**opts)) == (Forward.TRITON, 0)
     assert chooser.backward_design(packed, KernelOptions(**opts)) == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     assert not chooser.inlined(packed) and not chooser.inlined(packed, backward=True)
@@ -157,6 +157,15 @@ def test_flash_chooser_routes_packed_calls_without_kernels_to_pytorch():
     packed = call(kernels=False, varlen=True)
     assert chooser.forward_design(packed) == (Forward.PYTORCH, 0)
     assert chooser.backward_design(packed) == chooser.BackwardChoice(Backward.PYTORCH)
+
+
+@pytest.mark.parametrize("band,n_k,expected", [
+    (None, 4096, 0), ((3, 0), 4096, 4), ((200, 56), 4096, 257), ((4096, 4096), 1000, 1000), ((0, 0), 0, 1),
+])
+def test_flash_chooser_band_keys(band, n_k, expected):
+    """The keys a query sees at most under a band, which sets `Call.window` (0: no window)."""
+    assert chooser.band_keys(band, n_k) == expected
+    assert call(window_keys=chooser.band_keys(band, n_k)).window is (band is not None)
 
 
 @pytest.mark.parametrize("window,is_causal,n_q,n_k,expected", [

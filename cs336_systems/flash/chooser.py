@@ -137,9 +137,13 @@ class Call:
     gluon_fwd: bool      # the Gluon forward takes this call's layout (sm_90, 16-bit, d 64/128, ...)
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
-    window: bool = False  # a sliding window (`band` not None): unsplit; in Gluon only self-attention's fwd, single pass
     varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels, unsplit, two-pass
-    window_keys: int = 0  # under a window, the most keys a query sees (left + right + 1, at most n_k)
+    window_keys: int = 0  # under a sliding window the most keys a query sees (`band_keys`), else 0
+
+    @property
+    def window(self) -> bool:
+        """A sliding window (`band` not None): unsplit; in Gluon only self-attention's forward and single pass."""
+        return self.window_keys > 0
 
     @property
     def work(self) -> int:
@@ -270,6 +274,12 @@ def band(window: tuple[int, int], is_causal: bool, n_q: int, n_k: int) -> tuple[
     if not hides_left and (is_causal or not hides_right):
         return None
     return (left if hides_left else n_q, 0 if is_causal else right if hides_right else n_k)
+
+
+def band_keys(band: tuple[int, int] | None, n_k: int) -> int:
+    """`Call.window_keys` of a call with this `band`: left + right + 1 keys, at most n_k and at least 1; 0 without
+    a window."""
+    return 0 if band is None else max(1, min(n_k, band[0] + band[1] + 1))
 
 
 def precision(dtype: torch.dtype) -> str:

@@ -250,19 +250,20 @@ def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: boo
     tma = runs and tma_wanted(opts, q4) and tma_ok(q4, k4, v4)
     gluon_fwd = gluon_single = gluon_kv = False
     if tma:
+        windowed = band is not None  # (the Gluon kernels take a window on self-attention only)
         gluon_fwd = (gluon.fwd_supported(q4, k4, v4, _gluon_config(opts, opts.gluon_fwd, "fwd"))
-                     and (band is None or n_q == k4.shape[2]))  # (a window: self-attention only)
+                     and not (windowed and n_q != k4.shape[2]))
         if do4 is not None and do4.dtype == q4.dtype:
             config = _gluon_config(opts, opts.gluon_kv, "kv")
             # the single pass reads a contiguous dO (copied where it is not), so q stands in for it; under a
-            # window only the keys-on-rows single pass runs in Gluon, on self-attention
+            # window only the keys-on-rows one (the chooser keeps the two-pass dK/dV pass out of windowed calls)
             gluon_single = (gluon.supported(q4, k4, v4, q4, config, opts.single_qrows, single_pass=True)
-                            and (band is None or n_q == k4.shape[2] and not opts.single_qrows))
+                            and not (windowed and (n_q != k4.shape[2] or opts.single_qrows)))
             do_read = q4 if (not tma_ok(do4) or do4.is_contiguous()) else do4  # dO as the two-pass passes load it
-            gluon_kv = band is None and gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
+            gluon_kv = gluon.supported(q4, k4, v4, do_read, config, opts.kv_qrows)
     return chooser.Call(batch, heads, n_q, k4.shape[2], d, causal, runs,
                         0 if index is None else chooser.sm_count(index), tma, gluon_fwd, gluon_single, gluon_kv,
-                        band is not None, window_keys=0 if band is None else min(k4.shape[2], band[0] + band[1] + 1))
+                        window_keys=chooser.band_keys(band, k4.shape[2]))
 
 
 class _PlannedLaunch:
@@ -862,8 +863,8 @@ def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, m
     runs = q.is_cuda or INTERPRET
     tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v, *others)
     return chooser.Call(batch, q.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], is_causal, runs,
-                        0 if index is None else chooser.sm_count(index), tma, False, False, False, band is not None,
-                        varlen=True)
+                        0 if index is None else chooser.sm_count(index), tma, False, False, False, varlen=True,
+                        window_keys=chooser.band_keys(band, max_seqlen_k))
 
 
 def _varlen_launch(kernel, name: str, call: chooser.Call, q: torch.Tensor, grid_rows: int, grid_heads: int,
