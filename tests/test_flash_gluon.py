@@ -143,9 +143,9 @@ def test_gluon_window_reaches_the_forward_and_the_single_pass_on_self_attention_
     acc = torch.empty(2, 1024, 64)
     _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc,
                                                     band=(300, 0))
-    assert args[-2:] == (300, 0) and constexprs["HAS_WINDOW"] is True
+    assert args[-6:-4] == (300, 0) and constexprs["HAS_WINDOW"] is True  # (then the packed call's four)
     _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc)
-    assert args[-2:] == (0, 0) and constexprs["HAS_WINDOW"] is False
+    assert args[-6:-4] == (0, 0) and constexprs["HAS_WINDOW"] is False and constexprs["IS_VARLEN"] is False
     for kwargs, q in (({}, x), ({"qrows": True}, x), ({"dq_acc": acc, "qrows": True}, x),
                       ({"dq_acc": torch.empty(2, 512, 64)}, fewer)):
         with pytest.raises(ValueError, match="a window runs only in the keys-on-rows single pass"):

@@ -17,7 +17,9 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   backward                                          | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (recomputing PyTorch backward, per sequence if packed)
-  packed sequences, whatever `deterministic`        | TRITON_TWO_PASS, unsplit, both passes in Triton, no TMA
+  packed sequences, deterministic not True, the
+  Gluon single pass takes the call (any work)       | GLUON_SINGLE (over a table of (sequence, key tile) slots)
+  packed sequences otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic not True, visible work >= gluon_bwd_min_work(d),
   Gluon single pass takes the call (under a window:
   the band's work, self-attention)                  | GLUON_SINGLE (dQ by TMA reductions)
@@ -239,7 +241,9 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
 def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> BackwardChoice:
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
-    if call.varlen:  # (the IS_VARLEN variant has no atomic dQ: the two-pass design, bitwise repeatable)
+    if call.varlen:  # (the Triton IS_VARLEN passes have no atomic dQ: the two-pass design, bitwise repeatable)
+        if opts.deterministic is not True and opts.gluon_kv is not False and call.tma and call.gluon_single:
+            return BackwardChoice(Backward.GLUON_SINGLE)
         return BackwardChoice(Backward.TRITON_TWO_PASS)
     gluon = (_gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)
              and opts.skip_masked_tiles and call.tma)

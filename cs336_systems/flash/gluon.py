@@ -236,6 +236,45 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def _packed_kv_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr,
+                       D: gl.constexpr):
+    """A packed call's dK/dV program (grid (kv_heads, slots), `_grouped_program`'s order): slot i runs key tile
+    TILES[i, 1] of sequence TILES[i, 0], whose L and delta start at column TILES[i, 2] (a sequence index N_SEQS marks
+    a spare slot, which sees no query and no key). Returns (k_start within the sequence, the tile's row and column in
+    the (total_k, Hkv·D) views of K and V, the first query head of the kv head's group, the sequence's first query
+    row, its first column in L and delta, its numbers of queries and of keys)."""
+    kv_head, slot = _grouped_program(HEAD_GROUP, TAIL)
+    seq = gl.load(TILES + 3 * slot)
+    k_start = gl.load(TILES + 3 * slot + 1) * BLOCK_N
+    l0 = gl.load(TILES + 3 * slot + 2)
+    live = (seq < N_SEQS).to(gl.int32)
+    seq = gl.minimum(seq, N_SEQS - 1)
+    q0 = gl.load(CU_SEQLENS_Q + seq)
+    k0 = gl.load(CU_SEQLENS_K + seq)
+    n_q = live * (gl.load(CU_SEQLENS_Q + seq + 1) - q0)
+    n_k = live * (gl.load(CU_SEQLENS_K + seq + 1) - k0)
+    return k_start, k0 + k_start, kv_head * D, kv_head * KV_GROUP, q0, l0, n_q, n_k
+
+
+@gluon.jit
+def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows, ROW_STRIDE, ready, kv_bar,
+                           STAGES: gl.constexpr):
+    """`_kv_program_end` of a packed call: dK·scale and dV stored from registers, rows n_rows on masked (they are the
+    next sequence's)."""
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_bar)
+    layout: gl.constexpr = dk.type.layout
+    rows = gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+    first = kv_row.to(gl.int64) * ROW_STRIDE + kv_col  # (then 32-bit offsets within the tile)
+    offs = gl.expand_dims(rows * ROW_STRIDE, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(cols < dk.shape[1], 0)
+    gl.store(dk_ptr + first + offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    gl.store(dv_ptr + first + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+
+
 @gluon.jit(do_not_specialize=_BY_LENGTH)
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
@@ -439,16 +478,42 @@ def flash_bwd_kv_qrows_gluon_kernel(
 
 
 @gluon.jit
+def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                IS_VARLEN: gl.constexpr):
+    """Where query tile t of a single-pass program (n_vis tiles per query head of the group) lies: (row, column) in
+    the views of Q and dO, row in the dQ accumulator's (·, D) view, (row, column) in the views of L and delta. Dense:
+    rows of the (B·H·Nq, D) views (L and delta a row per query tile). Packed (IS_VARLEN, the sequence's first query
+    at row q0): rows of the (total_q, H·D) views, a head's D columns; the accumulator (H, total_q, D); L and delta
+    (H, ·) with the sequence from column l0 (a TMA box starts at a 16-byte-aligned address: `packed_rows`)."""
+    head = first_head + t // n_vis
+    local = q_first + (t % n_vis) * BLOCK_M
+    if IS_VARLEN:
+        row = q0 + local
+        col = head * D
+        acc_row = head * N_QUERIES + row
+        l_row = head
+        l_col = l0 + local
+    else:
+        row = head * N_QUERIES + local
+        col = row * 0
+        acc_row = row
+        l_row = row // BLOCK_M
+        l_col = col
+    return row, col, acc_row, l_row, l_col
+
+
+@gluon.jit
 def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
-                        lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
-                        q_first, N_QUERIES, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                        lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, kv_col, total, n_vis,
+                        first_head, q_first, q0, l0, N_QUERIES, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                        IS_VARLEN: gl.constexpr):
     """The loader warp of `flash_bwd_single_keys_gluon_kernel`: K and V once, then per query tile t, once its
     stage is free (`empty`: the compute warps are past tile t-STAGES), Q, dO, L and delta into stage t % STAGES
     (`ready`). It also passes the news on to the dQ warp: past tile t-STAGES, the compute warps have stored the
     dQ of tile t-STAGES-1 (`dq_full`), so that their loop arrives on one barrier per tile, not two."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + delta_desc.block_type.nbytes)
     for t in range(total):
@@ -456,25 +521,27 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # (a fresh barrier passes phase 1)
         if t >= STAGES + 1:
             mbarrier.arrive(dq_full.index((t - STAGES - 1) % 2))
-        row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+        row, col, _, l_row, l_col = _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, BLOCK_M,
+                                                q_desc.block_type.shape[1], IS_VARLEN)
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
-        tma.async_copy_global_to_shared(lse_desc, [row // BLOCK_M, 0], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [row // BLOCK_M, 0], bar, delta_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [l_row, l_col], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [l_row, l_col], bar, delta_smem.index(s))
 
 
 @gluon.jit
-def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
-                           BLOCK_M: gl.constexpr):
+def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, q0, N_QUERIES,
+                           BLOCK_M: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in the buffer of u's
     parity (x: even, y: odd; `dq_full`), a TMA bulk reduction into the accumulator behind dq_desc; once it has read
     the buffer, the buffer goes back to the compute warps (`dq_empty`)."""
     for u in range(total):
         b = u % 2
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
-        row = _tile_row(u, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+        _, _, row, _, _ = _query_tile(u, n_vis, first_head, q_first, q0, q0, N_QUERIES, BLOCK_M,
+                                      dq_desc.block_type.shape[1], IS_VARLEN)
         if b == 0:
             _tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
         else:
@@ -490,21 +557,23 @@ def _single_keys_dq_free(dq_empty, u):
 
 
 @gluon.jit
-def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
-    """Pᵀ (fp32) of a tile from its Sᵀ (scaled by scale·log2 e). band: (k_start, left, right) of a window
-    (HAS_WINDOW), whose edges mask the tiles they cut, found at run time (a uniform branch)."""
+def _single_keys_p(sT, lse_t, offs_k, q_start, MASKED: gl.constexpr, band, EDGES: gl.constexpr):
+    """Pᵀ (fp32) of a tile from its Sᵀ (scaled by scale·log2 e). With EDGES, band (k_start, left, right, n_q, n_k):
+    query i sees key j iff i - left <= j <= i + right, i < n_q and j < n_k (a window, or a packed sequence's causal
+    diagonal and ends); the tiles those edges cut are found at run time (a uniform branch) and masked."""
     s_layout: gl.constexpr = sT.type.layout
     pT = gl.exp2(sT - lse_t.load(s_layout) * LOG2E)
     if MASKED:  # query i sees key j iff i >= j
         offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_k, 1), pT, 0.0)
-    if HAS_WINDOW:  # query i sees key j iff i - left <= j <= i + right
-        k_start, left, right = band
-        if (q_start + sT.shape[1] - 1 - left > k_start) | (k_start + sT.shape[0] - 1 - right > q_start):
+    if EDGES:
+        k_start, left, right, n_q, n_k = band
+        if ((q_start + sT.shape[1] - 1 - left > k_start) | (k_start + sT.shape[0] - 1 - right > q_start)
+                | (q_start + sT.shape[1] > n_q) | (k_start + sT.shape[0] > n_k)):
             offs_q = q_start + gl.arange(0, sT.shape[1], layout=gl.SliceLayout(0, s_layout))
             i = gl.expand_dims(offs_q, 0)
             j = gl.expand_dims(offs_k, 1)
-            pT = gl.where((j >= i - left) & (j <= i + right), pT, 0.0)
+            pT = gl.where((j >= i - left) & (j <= i + right) & (i < n_q) & (j < n_k), pT, 0.0)
     return pT
 
 
@@ -518,7 +587,7 @@ def _single_keys_ds(pT, dpT, delta_t, dtype: gl.constexpr):
 @gluon.jit
 def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, cur, prev, ready, empty,
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, MASKED: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
+                      STAGES: gl.constexpr, MASKED: gl.constexpr, band, EDGES: gl.constexpr):
     """Query tile t of `flash_bwd_single_keys_gluon_kernel` (MASKED: one on the diagonal), and tile t-1's dQ (issued
     with dV and dK, not with Sᵀ and dPᵀ: that needs more registers than there are). cur: the buffers of tiles of t's
     parity, prev: those of t-1's, each (dSᵀ, dQ), a separate allocation named statically (the compiler's
@@ -538,7 +607,7 @@ def _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delt
     dpT = warpgroup_mma(v_smem.index(z), do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _single_keys_barrier(t, empty, STAGES)
     sT = warpgroup_mma_wait(1, deps=(sT, ))
-    pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED, band, HAS_WINDOW)
+    pT = _single_keys_p(sT * qk_scale, lse_smem.index(s), offs_k, q_start, MASKED, band, EDGES)
     dpT = warpgroup_mma_wait(0, deps=(dpT, ))
     pT, dsT = _single_keys_ds(pT, dpT, delta_smem.index(s), q_t.dtype)
     pT_a = gl.convert_layout(pT, a_layout)
@@ -569,21 +638,21 @@ def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
 @gluon.jit
 def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
                       dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, band, HAS_WINDOW: gl.constexpr):
+                      STAGES: gl.constexpr, band, EDGES: gl.constexpr):
     """Tiles t_first .. t_first+n-1, unmasked (but for a window's edges), two per iteration: those of t_first's
     parity take the buffers x, the others y."""
     for i in range(n // 2):
         t = t_first + 2 * i
         dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, HAS_WINDOW)
+                                   STAGES, False, band, EDGES)
         dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, HAS_WINDOW)
+                                   STAGES, False, band, EDGES)
     if n % 2 == 1:
         dk, dv = _single_keys_tile(t_first + n - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, False, band, HAS_WINDOW)
+                                   BLOCK_M, STAGES, False, band, EDGES)
     return dk, dv
 
 
@@ -591,30 +660,30 @@ def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_s
 def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
                      dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr, band,
-                     HAS_WINDOW: gl.constexpr):
+                     EDGES: gl.constexpr):
     """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y. Under
     causal masking the first BLOCK_N / BLOCK_M tiles (1 or 2) are on the diagonal (with two, n_vis is even:
     `supported` takes query lengths in whole BLOCK_N). Under a window (causal folded into it) every tile checks
     whether the band's edges cut it."""
-    if HAS_WINDOW:
+    if EDGES:
         dk, dv = _single_keys_rest(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, band, HAS_WINDOW)
+                                   BLOCK_M, STAGES, band, EDGES)
     else:
         dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, is_causal, band, HAS_WINDOW)
+                                   STAGES, is_causal, band, EDGES)
         if is_causal and BLOCK_N == 2 * BLOCK_M:
             dk, dv = _single_keys_tile(t0 + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x,
                                        ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                       BLOCK_M, STAGES, True, band, HAS_WINDOW)
+                                       BLOCK_M, STAGES, True, band, EDGES)
             dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, HAS_WINDOW)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
         else:
             dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, HAS_WINDOW)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
     return dk, dv
 
 
@@ -639,7 +708,7 @@ def _single_keys_last_dq(last, bufs, k_smem, dq_full, dq_empty, zero_dq, STAGES:
 def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
                          dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
-                         band, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr):
+                         band, EDGES: gl.constexpr, num_warps: gl.constexpr):
     """The compute warps of `flash_bwd_single_keys_gluon_kernel`: every query tile, the dS and dQ buffers of each
     named statically (tiles of even t take the buffers x, odd ones y); returns dK (unscaled) and dV."""
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys; dK, dV: (BLOCK_N, D);
@@ -666,11 +735,11 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
             if t0 % 2 == 0:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                           x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
-                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, HAS_WINDOW)
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, EDGES)
             else:
                 dk, dv = _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                           y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, q_first, qk_scale,
-                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, HAS_WINDOW)
+                                          BLOCK_M, BLOCK_N, STAGES, is_causal, band, EDGES)
         last = total - 1
         if last % 2 == 0:
             _single_keys_last_dq(last, x, k_smem, dq_full, dq_empty, zero_dq, STAGES)
@@ -683,12 +752,18 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL, WINDOW_LEFT, WINDOW_RIGHT,
+    CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout). Grid (batch·kv_heads,
     key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
-    fp32 descriptors, a row per query tile.
+    fp32 descriptors, a row per query tile. With IS_VARLEN, packed sequences (`_packed_kv_program`): grid
+    (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over the (total, heads·D) views of
+    the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`); N_QUERIES, N_KEYS the totals; dk_desc and dv_desc
+    the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the sequence's end would write
+    the next sequence's rows); every tile checks the causal diagonal, the window and the sequence's ends at run time
+    as a window's tiles do, so that the rows of the neighbouring sequences that a tile loads contribute nothing.
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
@@ -718,11 +793,23 @@ def flash_bwd_single_keys_gluon_kernel(
     Handoffs are mbarriers (phase of use k is k & 1): ready[s] / empty[s] between the loader and the compute
     warps, dq_full[b] / dq_empty[b] between them and the dQ warp. BLOCK_N = 16·num_warps = 128."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
-    if HAS_WINDOW:  # (self-attention: every query sees its own key, so no row's L is -inf)
-        q_first, n_vis, total = _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    EDGES: gl.constexpr = HAS_WINDOW or IS_VARLEN
+    if IS_VARLEN:  # (window and causal folded into the band; a query without keys is in no program's band)
+        k_start, kv_row, kv_col, first_head, q0, l0, n_q, n_k = _packed_kv_program(
+            TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N, D)
+        q_first, n_vis, total = _band_tiles(k_start, n_q, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     else:
-        q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
+        k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+        kv_col = k_start * 0
+        q0 = kv_col
+        l0 = kv_col
+        n_q = N_QUERIES
+        n_k = N_KEYS
+        if HAS_WINDOW:  # (self-attention: every query sees its own key, so no row's L is -inf)
+            q_first, n_vis, total = _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
+                                                BLOCK_N)
+        else:
+            q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
     # K, V and the dS, dQ buffers as (1, ...) allocations (`_single_keys_tile` indexes them)
@@ -755,19 +842,24 @@ def flash_bwd_single_keys_gluon_kernel(
     dk, dv = gl.warp_specialize([
         (_single_keys_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty, dq_full,
                                 dq_empty, kv_bar, k_start, q_first, n_vis, total, KV_GROUP, scale, BLOCK_M, BLOCK_N,
-                                D, STAGES, is_causal, (k_start, WINDOW_LEFT, WINDOW_RIGHT), HAS_WINDOW, num_warps)),
+                                D, STAGES, is_causal, (k_start, WINDOW_LEFT, WINDOW_RIGHT, n_q, n_k), EDGES,
+                                num_warps)),
         (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
-                               lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, total, n_vis, first_head,
-                               q_first, N_QUERIES, BLOCK_M, STAGES)),
-        (_single_keys_dq_writer, (dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, N_QUERIES,
-                                  BLOCK_M)),
+                               lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, kv_col, total, n_vis,
+                               first_head, q_first, q0, l0, N_QUERIES, BLOCK_M, STAGES, IS_VARLEN)),
+        (_single_keys_dq_writer, (dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, q0, N_QUERIES,
+                                  BLOCK_M, IS_VARLEN)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(empty.index(i))
     for i in gl.static_range(2):
         mbarrier.invalidate(dq_full.index(i))
         mbarrier.invalidate(dq_empty.index(i))
-    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+    if IS_VARLEN:
+        _packed_kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, kv_col, n_k - k_start,
+                               (N_HEADS // KV_GROUP) * D, ready, kv_bar, STAGES)
+    else:
+        _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1148,13 +1240,22 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
                                                          dq_acc)
         workers = 2 if kernel is flash_bwd_single_keys_gluon_kernel else 0  # its loader and dQ warps
         return kernel, args, constexprs, constexprs["num_warps"] + workers, config
+    if name == "flash_bwd_single_pass_keys_packed_gluon":  # (two sequences of seq / 2 tokens)
+        config = SINGLE_PASS_KEYS_CONFIGS[d]
+        packed = torch.empty(seq, heads, d, dtype=dtype)
+        cu_seqlens = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
+        _, args, constexprs, _ = _packed_launch_plan(packed, packed, packed, packed, lse, lse, packed, packed,
+                                                     torch.empty(heads, seq, d), cu_seqlens, cu_seqlens, causal,
+                                                     d ** -0.5, None)
+        return flash_bwd_single_keys_gluon_kernel, args, constexprs, constexprs["num_warps"] + 2, config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
 GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
                  "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
-                 "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS}
+                 "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS,
+                 "flash_bwd_single_pass_keys_packed_gluon": SINGLE_PASS_KEYS_CONFIGS}
 
 
 # Compiled kernels per launch signature (kernel, grid, dtype, head dim, config, causal, the integer arguments,
@@ -1223,7 +1324,7 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     if single and not qrows:
-        constexprs["HAS_WINDOW"] = band is not None
+        constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False)
     grid = (batch * kv_heads, n_k // block_n, 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
             _desc(dk4, block_n), _desc(dv4, block_n))
@@ -1240,8 +1341,8 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     constexprs["num_warps"] = warps
     group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
     args += (heads, heads // kv_heads, n_q, n_k, scale, group, tail)
-    if single and not qrows:
-        args += band or (0, 0)
+    if single and not qrows:  # (then the packed call's offsets and slots: L stands in, unread)
+        args += (*(band or (0, 0)), lse, lse, lse, 0)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
@@ -1274,6 +1375,105 @@ def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale:
     kernel, _, args, constexprs, _ = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config,
                                                      qrows, dq_acc, band=band)
     return _Ahead(kernel), args, constexprs
+
+
+# A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
+# 1/PACKED_TAIL of the kv heads as one group: on the H200 (runs/ab/packed_head_groups_*.jsonl, 16 kv heads, 65536
+# tokens) 18.5 ms fwd+bwd at d 128 against 20.5 with every head at once (its Q and dO rows then leave the L2)
+PACKED_TAIL = 4
+# a side of a packed call's band that bounds nothing (beyond every sequence; kept small enough that the kernel's
+# band arithmetic stays in int32)
+UNBOUNDED = 1 << 30
+
+
+def packed_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether `packed_kv_pass` takes these packed (total, heads, D) tensors: what `supported` asks of the
+    keys-on-rows single pass's (contiguous, 16-bit, d 64/128, sm_90), any lengths."""
+    return _takes((q, k, v, do), q.shape[-1], SINGLE_PASS_KEYS_CONFIGS)
+
+
+def packed_rows(cu_seqlens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """L and delta of a packed call as the single pass's TMA reads them: each sequence's queries from a column that
+    starts a 16-byte-aligned box (a multiple of 4 fp32; a box at any other column is an illegal instruction).
+    Returns (each sequence's first column, each packed row's column, the columns), made on the device without a
+    sync (the columns: an upper bound)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    offsets = cu_seqlens_q.long()
+    widths = (offsets[1:] - offsets[:-1] + 3) // 4 * 4
+    starts = widths.cumsum(0) - widths
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    seq = torch.searchsorted(offsets[1:], rows, right=True)
+    return starts, starts[seq] + rows - offsets[seq], (total_q + 3 * batch + 3) // 4 * 4
+
+
+def packed_key_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, block_n: int,
+                     is_causal: bool, starts: torch.Tensor) -> torch.Tensor:
+    """The slots of a packed single pass, (slots, 3) int32 rows (sequence, key tile, the sequence's first column in
+    L and delta: `starts`, `packed_rows`'), made on the device without a sync: cdiv(total_k, block_n) + batch slots
+    (at least the tiles there are); those past the last tile name sequence `batch` (spare). Longest first: ordered by
+    the queries a tile's program visits (causal: those from its first key on), so that the long programs do not run
+    alone at the end."""
+    batch = cu_seqlens_k.shape[0] - 1
+    n_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    tiles = (n_k + block_n - 1) // block_n
+    ends = tiles.cumsum(0)
+    slot = torch.arange(-(-total_k // block_n) + batch, device=cu_seqlens_k.device)
+    seq = torch.searchsorted(ends, slot, right=True)
+    live = seq < batch
+    first = seq.clamp(max=batch - 1)
+    tile = slot - (ends - tiles)[first]
+    work = (n_q[first] - tile * block_n).clamp(min=0) if is_causal else n_q[first]
+    order = torch.argsort(torch.where(live, work, -1), descending=True, stable=True)
+    return torch.stack((seq, torch.where(live, tile, 0), torch.where(live, starts[first], 0)), 1)[order].to(
+        torch.int32)
+
+
+def _packed_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A packed (total, heads, D) tensor as its (total, heads·D) view, tiles of `rows` rows and one head's columns."""
+    flat = t.view(t.shape[0], -1)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
+                            _smem_layout(rows, t.shape[-1], t.dtype))
+
+
+def _packed_row_desc(t: torch.Tensor, cols: int) -> TensorDescriptor:
+    """L or delta of a packed call as `packed_rows` lays them out (fp32 (H, columns), aligned), boxes of `cols`."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, cols], _row_layout())
+
+
+def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
+                        scale: float, band: tuple[int, int] | None):
+    """(grid, arguments, constexprs, cache key) of a `packed_kv_pass` launch."""
+    total_q, heads, d = q.shape
+    total_k, kv_heads, _ = k.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    block_m, block_n, warps, stages = SINGLE_PASS_KEYS_CONFIGS[d]
+    left, right = band if band is not None else (UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    starts, columns, width = packed_rows(cu_seqlens_q, total_q)
+    tiles = packed_key_tiles(cu_seqlens_q, cu_seqlens_k, total_k, block_n, is_causal, starts)
+    # (zeros between the sequences: a masked row's delta multiplies a zero P, so it must be finite)
+    rows = [t.new_zeros(heads, width).index_copy_(1, columns, t) for t in (lse, delta)]
+    grid = (kv_heads, tiles.shape[0], 1)
+    args = (_packed_desc(q, block_m), _packed_desc(k, block_n), _packed_desc(v, block_n), _packed_desc(do, block_m),
+            dk, dv, _packed_row_desc(rows[0], block_m), _packed_row_desc(rows[1], block_m), _desc(dq_acc, block_m),
+            heads, heads // kv_heads, total_q, total_k, scale, 1, max(1, kv_heads // PACKED_TAIL), left, right,
+            cu_seqlens_q, cu_seqlens_k, tiles, batch)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
+                      HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=warps)
+    # (the integers the JIT specializes: the sizes whole; the offsets' alignment)
+    key = ("kv_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
+           batch, band is not None, cu_seqlens_q.data_ptr() % 16 == 0, cu_seqlens_k.data_ptr() % 16 == 0)
+    return grid, args, constexprs, key
+
+
+def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
+                   scale: float, band: tuple[int, int] | None = None, cached: bool = True) -> None:
+    """The keys-on-rows single pass over packed sequences, for tensors `packed_supported` accepted: dK·scale, dV into
+    dk, dv (packed like k), dQ = dS·K (unscaled) added into the zeroed fp32 (H, total_q, D) dq_acc; lse, delta: fp32
+    (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for none."""
+    grid, args, constexprs, key = _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q,
+                                                      cu_seqlens_k, is_causal, scale, band)
+    _launch(flash_bwd_single_keys_gluon_kernel, grid, args, constexprs, key, cached)
 
 
 def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,

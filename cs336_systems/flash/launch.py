@@ -856,14 +856,17 @@ def varlen_band(window: tuple[int, int], is_causal: bool, max_seqlen_q: int,
 
 
 def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                is_causal: bool, band: tuple[int, int] | None, *others: torch.Tensor) -> chooser.Call:
+                is_causal: bool, band: tuple[int, int] | None, *others: torch.Tensor,
+                do: torch.Tensor | None = None) -> chooser.Call:
     """The chooser's view of a packed call (lengths: the longest sequences'); TMA where every tensor the call's kernels
-    tile (q, k, v and `others`) allows it."""
+    tile (q, k, v and `others`) allows it; for a backward (`do`, contiguous as it will be passed) whether the Gluon
+    single pass takes it."""
     index = device_index(q)
     runs = q.is_cuda or INTERPRET
     tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v, *others)
+    single = do is not None and tma and gluon.packed_supported(q, k, v, do)
     return chooser.Call(batch, q.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], is_causal, runs,
-                        0 if index is None else chooser.sm_count(index), tma, False, False, False, varlen=True,
+                        0 if index is None else chooser.sm_count(index), tma, False, single, False, varlen=True,
                         window_keys=chooser.band_keys(band, max_seqlen_k))
 
 
@@ -910,29 +913,47 @@ def varlen_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     return o, lse
 
 
-def varlen_backward_triton(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
-                           window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of a packed call by the two-pass design's IS_VARLEN passes (the dQ pass with the pre-pass fused,
-    then the dK/dV pass); dO of any strides."""
+def varlen_backward_kernels(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                            lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+                            window: tuple[int, int] = NO_WINDOW, opts: KernelOptions = DEFAULT_OPTIONS
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of a packed call, dO of any strides: the Gluon single pass where the chooser routes it (dQ by TMA
+    reductions into an fp32 accumulator), else the two-pass design's IS_VARLEN passes (the dQ pass with the pre-pass
+    fused, then the dK/dV pass; bitwise repeatable)."""
     _check_launchable(q)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
-            return varlen_backward_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, is_causal, scale, window)
-    total_q, heads, _ = q.shape
+            return varlen_backward_kernels(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, is_causal, scale, window, opts)
+    total_q, heads, d = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
     if not (batch and total_q and total_k):  # no query, or no key: every gradient is 0
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    delta = q.new_empty((heads, total_q), dtype=torch.float32)
     band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
-    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band, o, dq, dk, dv)
-    if call.tma and not tma_ok(do):  # (o.sum()'s dO, an expand, or a misaligned one: one copy keeps the passes on TMA)
+    # (a dO that is not contiguous is copied below where the Gluon pass runs: dq stands in for the copy)
+    call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band, o, dq, dk, dv,
+                       do=do if do.is_contiguous() else dq)
+    choice = chooser.backward_design(call, opts)
+    gluon_single = choice.design is Backward.GLUON_SINGLE
+    if call.tma and not tma_ok(do) or gluon_single and not do.is_contiguous():
+        # (o.sum()'s dO, an expand, or a misaligned one: one copy keeps the passes on TMA)
         do = torch.empty_like(do, memory_format=torch.contiguous_format).copy_(do)
-    assert chooser.backward_design(call) == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
+    if gluon_single:
+        delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        dq_acc = torch.empty((heads, total_q, d), dtype=torch.float32, device=q.device)
+        rows = (heads, -(-total_q // PREP_TILE))
+        kernels.flash_bwd_prep_kernel[rows](o, do, delta, dq_acc, _packed_strides(o), _packed_strides(do), heads,
+                                            total_q, D=d, D_TILE=d, Q_TILE_SIZE=PREP_TILE, ZERO_DQ=True)
+        gluon.packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal, scale,
+                             band, cached=not launch_hooks_installed())
+        kernels.flash_bwd_dq_cast_kernel[rows](dq_acc, dq, _packed_strides(dq), heads, total_q, scale, D=d, D_TILE=d,
+                                               Q_TILE_SIZE=PREP_TILE)
+        return dq, dk, dv
+    delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    assert choice == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     sizes = (heads, heads // kv_heads, total_q, total_k, scale, 0)
     _varlen_launch(kernels.flash_bwd_dq_kernel, "dq", call, q, max_seqlen_q, heads,
                    (q, k, v, do, lse, delta, dq, o, do, *map(_packed_strides, (q, k, v, do, dq, o, do)), *sizes),
@@ -968,11 +989,13 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                              max_seqlen_k: int, is_causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW):
-    """(dQ, dK, dV) of a packed call: the IS_VARLEN kernels, or the recomputing PyTorch backward sequence by sequence."""
+                              max_seqlen_k: int, is_causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
+                              opts: KernelOptions = DEFAULT_OPTIONS):
+    """(dQ, dK, dV) of a packed call: the kernels (`varlen_backward_kernels`), or the recomputing PyTorch backward
+    sequence by sequence."""
     if q.device.type == "cuda" or INTERPRET:
-        return varlen_backward_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      is_causal, scale, window)
+        return varlen_backward_kernels(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       is_causal, scale, window, opts)
     dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 > q0 and k1 > k0:

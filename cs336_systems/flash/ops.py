@@ -422,16 +422,17 @@ def flash_attention(
 @torch.library.custom_op("cs336::flash_attn_varlen_fwd", mutates_args=(), device_types=None)
 def flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                          scale: float, window_left: int = -1,
-                          window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O (total_q, H, D), L (H, total_q)) of checked packed inputs (`flash_attention_varlen`)."""
+                          scale: float, window_left: int = -1, window_right: int = -1,
+                          deterministic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O (total_q, H, D), L (H, total_q)) of checked packed inputs (`flash_attention_varlen`); `deterministic` is the
+    backward's (carried to it with the other arguments)."""
     return varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                     scale, (window_left, window_right))
 
 
 @flash_attn_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left=-1,
-      window_right=-1):
+      window_right=-1, deterministic=None):
     return empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -439,15 +440,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
 def flash_attn_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, window_left: int = -1,
-                          window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of `flash_attn_varlen_fwd` (the two-pass design: bitwise repeatable)."""
+                          window_right: int = -1,
+                          deterministic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of `flash_attn_varlen_fwd`; `deterministic` as KernelOptions.deterministic (True: the two-pass
+    design, bitwise repeatable; None: the Gluon single pass where it applies)."""
     return varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     is_causal, scale, (window_left, window_right))
+                                     is_causal, scale, (window_left, window_right), OPTIONS[deterministic])
 
 
 @flash_attn_varlen_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left=-1,
-      window_right=-1):
+      window_right=-1, deterministic=None):
     return tuple(empty_like(t) for t in (q, k, v))
 
 
@@ -455,7 +458,7 @@ def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *rest = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.rest = tuple(rest)  # max_seqlen_q, max_seqlen_k, is_causal, scale[, window_left, window_right]
+    ctx.rest = tuple(rest)  # max_seqlen_q, max_seqlen_k, is_causal, scale[, window_left, window_right, deterministic]
 
 
 def _varlen_backward(ctx, do, dlse):
@@ -509,8 +512,9 @@ def flash_attention_varlen(
     (a sequence with no keys, or a window past them) gets output 0 and zero gradients. Sequences of length 0 and 1
     are allowed. fp32, bf16, fp16; head dims up to 256.
 
-    The backward is always the two-pass design (bitwise repeatable); `deterministic` is checked and otherwise has no
-    effect. Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
+    `deterministic` as for `flash_attention`: True runs the two-pass backward (bitwise repeatable), False or None
+    (default; None follows `torch.are_deterministic_algorithms_enabled()`) the Gluon single pass where it applies
+    (sm_90, bf16/fp16, d 64/128, contiguous inputs: dQ added in fp32 by TMA reductions), else the two-pass one. Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
     (0 first, non-decreasing, the total last, no sequence longer than max_seqlen), which reads them on the host: one
     device sync for CUDA offsets, once per offsets tensor (calls that pass the same, unmodified tensor again, as a
     model's layers do, skip the read). Under torch.compile and CUDA-graph capture only the metadata is checked.
@@ -519,7 +523,7 @@ def flash_attention_varlen(
     is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
     window = check_window(window) if window is not NO_WINDOW else window
     scale = check_scale(scale, q.shape[-1])
-    deterministic_flag(deterministic)
+    deterministic = deterministic_flag(deterministic)
     check_head_dim(q.shape[-1])
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     if _offsets_readable(cu_seqlens_q):
@@ -527,5 +531,5 @@ def flash_attention_varlen(
         _check_offsets_once(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     max_seqlen_q, max_seqlen_k = (n if isinstance(n, torch.SymInt) else int(n) for n in (max_seqlen_q, max_seqlen_k))
     o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-                                 *window)
+                                 *window, deterministic)
     return o
