@@ -115,6 +115,65 @@ def test_gluon_single_pass_keys_launch_plan(d):
     assert flash_gluon.supported(*(torch.empty(1, 4, 1024, d, dtype=torch.bfloat16),) * 4, single_pass=True) is False
 
 
+def test_gluon_packed_rows_start_each_sequence_at_an_aligned_column():
+    """L and delta of a packed call as the single pass's TMA reads them: each sequence from a multiple of 4 columns (a
+    TMA box of fp32 at any other column is an illegal instruction on the H200), every packed row at its own column."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    lengths = [1000, 1, 0, 300, 77]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    starts, columns, width = flash_gluon.packed_rows(cu, sum(lengths))
+    assert starts.tolist() == [0, 1000, 1004, 1004, 1304]
+    expected = [*range(1000), 1000, *range(1004, 1304), *range(1304, 1381)]
+    assert columns.tolist() == expected and width % 4 == 0 and width >= 1381
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gluon_packed_slots_hold_every_key_tile_once_longest_first(is_causal):
+    """The packed single pass's slots: every key tile of every sequence once (none for a sequence without keys), with
+    its sequence's first column in L and delta, ordered by the queries its program visits (causal: from its first
+    key on), the spare slots (sequence index = batch) last."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    lengths_q, lengths_k = [1000, 1, 0, 300, 77], [900, 1, 5, 300, 0]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    starts, _, _ = flash_gluon.packed_rows(cu_q, sum(lengths_q))
+    slots = flash_gluon.packed_key_tiles(cu_q, cu_k, sum(lengths_k), 128, is_causal, starts).tolist()
+    assert len(slots) == -(-sum(lengths_k) // 128) + len(lengths_q)
+    real = [s for s in slots if s[0] < len(lengths_q)]
+    tiles = {(b, j) for b, n in enumerate(lengths_k) for j in range(-(-n // 128))}
+    assert sorted((b, j) for b, j, _ in real) == sorted(tiles) and len(real) == len(tiles)
+    assert all(col == starts[b] for b, _, col in real)
+    assert slots[len(real):] == [[len(lengths_q), 0, 0]] * (len(slots) - len(real))
+    work = [max(lengths_q[b] - j * 128, 0) if is_causal else lengths_q[b] for b, j, _ in real]
+    assert work == sorted(work, reverse=True)
+
+
+def test_gluon_packed_launch_plan():
+    """The packed single pass's launch, built on the CPU (not run): the keys-on-rows kernel with IS_VARLEN, a grid of
+    (kv heads, slots), one kv head at a time and the last quarter as one group, the descriptors over the packed
+    (total, heads·D) views with a head's D columns per box, dK and dV passed as tensors (stored with a mask)."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    kernel, args, constexprs, warps, config = flash_gluon.example_launch(
+        "flash_bwd_single_pass_keys_packed_gluon", torch.bfloat16, 8, 1024, 64, True)
+    block_m, block_n, num_warps, _ = config
+    assert kernel is flash_gluon.flash_bwd_single_keys_gluon_kernel and warps == num_warps + 2
+    assert constexprs["IS_VARLEN"] is True and constexprs["HAS_WINDOW"] is False
+    q_desc, k_desc = args[0], args[1]
+    assert list(q_desc.shape) == [1024, 8 * 64] and list(q_desc.block_shape) == [block_m, 64]
+    assert list(k_desc.block_shape) == [block_n, 64]
+    assert isinstance(args[4], torch.Tensor) and args[4].shape == (1024, 8, 64)
+    lse_desc = args[6]
+    assert lse_desc.shape[0] == 8 and lse_desc.shape[1] % 4 == 0 and list(lse_desc.block_shape) == [1, block_m]
+    assert args[14:16] == (1, 2)  # HEAD_GROUP, TAIL
+    tiles, batch = args[-2], args[-1]
+    assert batch == 2 and tiles.shape == (1024 // block_n + 2, 3)
+    cpu = torch.empty(16, 2, 64, dtype=torch.bfloat16)
+    assert flash_gluon.packed_supported(cpu, cpu, cpu, cpu) is False
+
+
 def test_gluon_single_pass_keys_rejects_other_tiles():
     """Its tiles are fixed by its two warpgroups of 64 keys (and 64 or 128 queries), its stages by its dQ handoff
     (with three the kernel would hang): anything else is refused before anything is built or launched."""

@@ -32,10 +32,12 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
 CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed
 call never splits: its reduction is bounded by the band, not by the sequence. Packed sequences (`varlen`: q, k, v
-(total, heads, D) with cu_seqlens) run the kernels' IS_VARLEN variant, a program per (sequence·head, tile) of a grid
-sized by the longest sequence, through TMA descriptors made per sequence where the layout allows (`Call.tma`: their
-bounds are the sequence's, so tiles past its end load zeros and store nothing), else block pointers; the window's tile
-skipping applies within each sequence.
+(total, heads, D) with cu_seqlens) run the Triton kernels' IS_VARLEN variant, a program per (sequence·head, tile) of a
+grid sized by the longest sequence, through TMA descriptors made per sequence where the layout allows (`Call.tma`:
+their bounds are the sequence's, so tiles past its end load zeros and store nothing), else block pointers; the
+window's tile skipping applies within each sequence. Their backward runs in the Gluon single pass where it takes them
+(`Call.gluon_single`: sm_90, 16-bit, d 64/128, contiguous), at any work (a packed call's work is not known on the
+host), over a table of (sequence, key tile) slots.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).

@@ -56,7 +56,8 @@ Launches after the first of a signature call the compiled kernel's C launch dire
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
 into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass only, on
-self-attention. Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
+self-attention. Packed sequences (varlen) in the keys-on-rows single pass only (`packed_kv_pass`: any lengths, a
+window, grouped-query heads). Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
 Variants measured slower and removed (docs/design.md, "Designs tried", has each with its commit): K and V as
 register operands of Sᵀ and dPᵀ; the next tile's Sᵀ issued before this tile's dSᵀ; a warp-specialized dK/dV pass,
@@ -66,7 +67,8 @@ from registers; the keys-on-rows single pass without warp specialization, and wi
 
 Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the single pass with
 the keys on rows (loader warp, dQ warp, compute tile, kernel), the forward (producer, softmax step, consumer,
-kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass` and `forward`.
+kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass`, `packed_kv_pass` and
+`forward`.
 """
 
 from __future__ import annotations
@@ -663,8 +665,8 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
                      EDGES: gl.constexpr):
     """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y. Under
     causal masking the first BLOCK_N / BLOCK_M tiles (1 or 2) are on the diagonal (with two, n_vis is even:
-    `supported` takes query lengths in whole BLOCK_N). Under a window (causal folded into it) every tile checks
-    whether the band's edges cut it."""
+    `supported` takes query lengths in whole BLOCK_N). With EDGES (a window, causal folded into it; packed
+    sequences) every tile checks whether the band's edges or the sequence's ends cut it."""
     if EDGES:
         dk, dv = _single_keys_rest(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
@@ -1379,7 +1381,7 @@ def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale:
 
 # A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
 # 1/PACKED_TAIL of the kv heads as one group: on the H200 (runs/ab/packed_head_groups_*.jsonl, 16 kv heads, 65536
-# tokens) 18.5 ms fwd+bwd at d 128 against 20.5 with every head at once (its Q and dO rows then leave the L2)
+# tokens) 18.7 ms fwd+bwd at d 128 against 21.0 with every head at once (whose Q and dO rows overflow the L2)
 PACKED_TAIL = 4
 # a side of a packed call's band that bounds nothing (beyond every sequence; kept small enough that the kernel's
 # band arithmetic stays in int32)
