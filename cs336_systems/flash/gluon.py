@@ -762,8 +762,8 @@ def flash_bwd_single_keys_gluon_kernel(
     key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
     fp32 descriptors, a row per query tile. With IS_VARLEN, packed sequences (`_packed_kv_program`): grid
     (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over the (total, heads·D) views of
-    the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`); N_QUERIES, N_KEYS the totals; dk_desc and dv_desc
-    the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the sequence's end would write
+    the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`); N_QUERIES, N_KEYS the totals;
+    dk_desc and dv_desc the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the sequence's end would write
     the next sequence's rows); every tile checks the causal diagonal, the window and the sequence's ends at run time
     as a window's tiles do, so that the rows of the neighbouring sequences that a tile loads contribute nothing.
 

@@ -514,7 +514,9 @@ def flash_attention_varlen(
 
     `deterministic` as for `flash_attention`: True runs the two-pass backward (bitwise repeatable), False or None
     (default; None follows `torch.are_deterministic_algorithms_enabled()`) the Gluon single pass where it applies
-    (sm_90, bf16/fp16, d 64/128, contiguous inputs: dQ added in fp32 by TMA reductions), else the two-pass one. Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
+    (sm_90, bf16/fp16, d 64/128, contiguous inputs: dQ added in fp32 by TMA reductions), else the two-pass one.
+
+    Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
     (0 first, non-decreasing, the total last, no sequence longer than max_seqlen), which reads them on the host: one
     device sync for CUDA offsets, once per offsets tensor (calls that pass the same, unmodified tensor again, as a
     model's layers do, skip the read). Under torch.compile and CUDA-graph capture only the metadata is checked.
