@@ -763,9 +763,10 @@ def flash_bwd_single_keys_gluon_kernel(
     fp32 descriptors, a row per query tile. With IS_VARLEN, packed sequences (`_packed_kv_program`): grid
     (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over the (total, heads·D) views of
     the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`); N_QUERIES, N_KEYS the totals;
-    dk_desc and dv_desc the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the sequence's end would write
-    the next sequence's rows); every tile checks the causal diagonal, the window and the sequence's ends at run time
-    as a window's tiles do, so that the rows of the neighbouring sequences that a tile loads contribute nothing.
+    dk_desc and dv_desc the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the
+    sequence's end would write the next sequence's rows); every tile checks the causal diagonal, the window and the
+    sequence's ends at run time as a window's tiles do, so that the rows of the neighbouring sequences that a tile
+    loads contribute nothing.
 
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are (BLOCK_N keys, BLOCK_M queries), a warpgroup per 64 keys, so Pᵀ and dSᵀ
     are in registers as the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q: P never goes to shared memory. dSᵀ
