@@ -206,24 +206,27 @@ class CausalMultiHeadSelfAttention(nn.Module):
     def _forward_packed(self, x: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
         """Causal attention within each document of the batch·seq tokens of x, RoPE positions from each document's
         start: `flash_attention_varlen` ("flash"), or a block-diagonal causal mask ("reference")."""
-        batch, seq_len = x.shape[:2]
+        batch = x.shape[0]
+        # (tokens, heads, d_head), the packed layout: views of the projections' outputs and RoPE's new tensors, all
+        # contiguous, so the kernels take q, k, v without a copy (the Gluon backward takes only contiguous ones)
         q, k, v = (
-            rearrange(proj(x), "b s (h d) -> h (b s) d", h=self.num_heads)  # (heads, tokens, d_head)
+            rearrange(proj(x), "b s (h d) -> (b s) h d", h=self.num_heads)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         if self.rope is not None:
-            q = self.rope(q, documents.positions)
-            k = self.rope(k, documents.positions)
+            positions = documents.positions[:, None]  # (tokens, 1): one position per token, for every head
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
         if self.attention == "flash":
             from cs336_systems.flash_triton import flash_attention_varlen
 
             cu = documents.cu_seqlens
-            out = flash_attention_varlen(*(t.transpose(0, 1) for t in (q, k, v)), cu, cu, documents.max_seqlen,
-                                         documents.max_seqlen, is_causal=True)  # (tokens, heads, d_head)
-            out = rearrange(out, "(b s) h d -> b s (h d)", b=batch)
+            out = flash_attention_varlen(q, k, v, cu, cu, documents.max_seqlen, documents.max_seqlen,
+                                         is_causal=True)  # (tokens, heads, d_head)
         else:
-            out = scaled_dot_product_attention(q, k, v, mask=documents.mask())  # (heads, tokens, d_head)
-            out = rearrange(out, "h (b s) d -> b s (h d)", b=batch)
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, tokens, d_head)
+            out = scaled_dot_product_attention(q, k, v, mask=documents.mask()).transpose(0, 1)
+        out = rearrange(out, "(b s) h d -> b s (h d)", b=batch)
         return self.output_proj(out)  # (batch, seq, d_model)
 
 

@@ -395,6 +395,26 @@ def test_lm_packed_documents_give_the_loss_of_documents_one_by_one(attention):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_lm_packed_attention_gets_contiguous_packed_tensors(monkeypatch):
+    """The model hands the op q, k, v in the packed (tokens, heads, d_head) layout and contiguous (views of its
+    projections, RoPE's outputs), so that no copy is made and the Gluon backward, which takes contiguous tensors
+    only, can run the call."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems import flash_triton
+
+    seen, original = [], flash_triton.flash_attention_varlen
+
+    def spy(q, k, v, *args, **keywords):
+        seen.append((q.shape, q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
+        return original(q, k, v, *args, **keywords)
+
+    monkeypatch.setattr(flash_triton, "flash_attention_varlen", spy)
+    model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                                attention="flash").to(DEVICE)
+    model(torch.randint(0, 50, (2, 12), device=DEVICE), cu_seqlens=cu_seqlens([5, 1, 12, 6]))
+    assert seen == [(torch.Size([24, 2, 16]), True, True, True)] * 2
+
+
 def test_lm_eos_token_marks_documents():
     """eos_token_id: a document ends after each eos token and at each row's end; RoPE positions restart."""
     from cs336_basics.model import PackedDocuments
