@@ -207,9 +207,10 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bool:
     """Whether a Gluon kernel that takes the call runs it (the launcher's facts say which take it: under a window
-    the forward and the single pass, on self-attention)."""
+    the forward and the single pass, on self-attention; for packed sequences the single pass). A packed call's work
+    is not known on the host (its lengths are on the device): any work, unless the flag says False."""
     if call.varlen:
-        return False
+        return flag is not False
     return work >= min_work if flag is None else flag
 
 
@@ -244,7 +245,8 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
     if call.varlen:  # (the Triton IS_VARLEN passes have no atomic dQ: the two-pass design, bitwise repeatable)
-        if opts.deterministic is not True and opts.gluon_kv is not False and call.tma and call.gluon_single:
+        wanted = _gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)
+        if opts.deterministic is not True and wanted and call.tma and call.gluon_single:
             return BackwardChoice(Backward.GLUON_SINGLE)
         return BackwardChoice(Backward.TRITON_TWO_PASS)
     gluon = (_gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)

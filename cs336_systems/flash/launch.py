@@ -941,8 +941,8 @@ def varlen_backward_kernels(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if call.tma and not tma_ok(do) or gluon_single and not do.is_contiguous():
         # (o.sum()'s dO, an expand, or a misaligned one: one copy keeps the passes on TMA)
         do = torch.empty_like(do, memory_format=torch.contiguous_format).copy_(do)
+    delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     if gluon_single:
-        delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
         dq_acc = torch.empty((heads, total_q, d), dtype=torch.float32, device=q.device)
         rows = (heads, -(-total_q // PREP_TILE))
         kernels.flash_bwd_prep_kernel[rows](o, do, delta, dq_acc, _packed_strides(o), _packed_strides(do), heads,
@@ -952,7 +952,6 @@ def varlen_backward_kernels(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         kernels.flash_bwd_dq_cast_kernel[rows](dq_acc, dq, _packed_strides(dq), heads, total_q, scale, D=d, D_TILE=d,
                                                Q_TILE_SIZE=PREP_TILE)
         return dq, dk, dv
-    delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     assert choice == chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
     sizes = (heads, heads // kv_heads, total_q, total_k, scale, 0)
     _varlen_launch(kernels.flash_bwd_dq_kernel, "dq", call, q, max_seqlen_q, heads,
