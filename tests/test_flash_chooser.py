@@ -145,22 +145,25 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
 @pytest.mark.parametrize("sizes", [SMALL, LARGE, SHORT_GRID], ids=["small", "large", "short-grid"])
 @pytest.mark.parametrize("window", [False, True], ids=["no-window", "window"])
 def test_flash_chooser_routes_packed_calls(sizes, opts, window):
-    """Packed sequences (varlen): the forward runs the Triton kernels' IS_VARLEN variant, unsplit; the backward the
-    Gluon single pass where it takes the call and `deterministic` is not True (at any work, with or without a window),
-    else the two-pass IS_VARLEN passes (they have no atomic dQ); never split, never inlined."""
+    """Packed sequences (varlen): the forward runs in Gluon where it takes the call (at any work, with or without a
+    window; `deterministic` does not matter to a forward), else the Triton kernels' IS_VARLEN variant, unsplit; the
+    backward the Gluon single pass where it takes the call and `deterministic` is not True, else the two-pass
+    IS_VARLEN passes (they have no atomic dQ); never split, never inlined."""
     options = KernelOptions(**opts)
     two_pass = chooser.BackwardChoice(Backward.TRITON_TWO_PASS)
-    for gluon_single in (False, True):
-        packed = call(sizes=sizes, window_keys=257 if window else 0, varlen=True, gluon_single=gluon_single)
-        assert chooser.forward_design(packed, options) == (Forward.TRITON, 0)
-        wanted = gluon_single and options.deterministic is not True
+    for gluon in (False, True):
+        packed = call(sizes=sizes, window_keys=257 if window else 0, varlen=True, gluon=gluon)
+        assert chooser.forward_design(packed, options) == ((Forward.GLUON if gluon else Forward.TRITON), 0)
+        wanted = gluon and options.deterministic is not True
         assert chooser.backward_design(packed, options) == (
             chooser.BackwardChoice(Backward.GLUON_SINGLE) if wanted else two_pass)
         assert not chooser.inlined(packed) and not chooser.inlined(packed, backward=True)
-    no_tma = call(sizes=sizes, varlen=True, gluon_single=True, tma=False)
+    no_tma = call(sizes=sizes, varlen=True, tma=False)
     assert chooser.backward_design(no_tma, options) == two_pass
-    gluon_off = call(sizes=sizes, varlen=True, gluon_single=True)
+    assert chooser.forward_design(no_tma, options) == (Forward.TRITON, 0)
+    gluon_off = call(sizes=sizes, varlen=True)
     assert chooser.backward_design(gluon_off, KernelOptions(**{**opts, "gluon_kv": False})) == two_pass
+    assert chooser.forward_design(gluon_off, KernelOptions(**{**opts, "gluon_fwd": False})) == (Forward.TRITON, 0)
 
 
 def test_flash_chooser_routes_packed_calls_without_kernels_to_pytorch():

@@ -171,7 +171,50 @@ def test_gluon_packed_launch_plan():
     tiles, batch = args[-2], args[-1]
     assert batch == 2 and tiles.shape == (1024 // block_n + 2, 3)
     cpu = torch.empty(16, 2, 64, dtype=torch.bfloat16)
-    assert flash_gluon.packed_supported(cpu, cpu, cpu, cpu) is False
+    assert flash_gluon.packed_supported(cpu, cpu, cpu, cpu, 2) is False
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gluon_packed_query_slots_hold_every_query_tile_once_longest_first(is_causal):
+    """The packed forward's slots: every query tile of every sequence once (none for a sequence without queries),
+    ordered by the keys its program visits (causal: those up to its last query), the spare slots last."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    lengths_q, lengths_k = [1000, 1, 0, 300, 77], [900, 1, 5, 300, 0]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    slots = flash_gluon.packed_query_tiles(cu_q, cu_k, sum(lengths_q), 128, is_causal).tolist()
+    assert len(slots) == -(-sum(lengths_q) // 128) + len(lengths_q)
+    real = [s for s in slots if s[0] < len(lengths_q)]
+    tiles = [(b, j) for b, n in enumerate(lengths_q) for j in range(-(-n // 128))]
+    assert sorted(map(tuple, real)) == sorted(tiles)
+    assert slots[len(real):] == [[len(lengths_q), 0]] * (len(slots) - len(real))
+    work = [min(lengths_k[b], (j + 1) * 128) if is_causal else lengths_k[b] for b, j in real]
+    assert work == sorted(work, reverse=True)
+
+
+def test_gluon_packed_forward_launch_plan():
+    """The packed forward's launch, built on the CPU (not run): the forward kernel with IS_VARLEN, a grid of (heads,
+    slots of WARPGROUPS·BLOCK_M queries), descriptors over the packed (total, heads·D) views with a head's D columns
+    per box, O also as a tensor (a sequence's last rows are stored with a mask), the band unbounded on the left and
+    causal on the right."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    kernel, args, constexprs, warps, config = flash_gluon.example_launch(
+        "flash_fwd_packed_gluon", torch.bfloat16, 8, 1024, 128, True)
+    block_m, block_n, num_warps, _ = config
+    assert kernel is flash_gluon.flash_fwd_gluon_kernel and warps == num_warps + 1
+    assert constexprs["IS_VARLEN"] is True and constexprs["HAS_WINDOW"] is False
+    q_desc, k_desc, o_desc = args[0], args[1], args[3]
+    assert list(q_desc.shape) == [1024, 8 * 128] and list(q_desc.block_shape) == [block_m, 128]
+    assert list(k_desc.block_shape) == [block_n, 128] and list(o_desc.block_shape) == [block_m, 128]
+    assert args[10:12] == (flash_gluon.UNBOUNDED, 0)
+    assert isinstance(args[12], torch.Tensor) and args[12].shape == (1024, 8, 128)
+    tiles, batch = args[-2], args[-1]
+    rows = block_m * num_warps // 4
+    assert batch == 2 and tiles.shape == (1024 // rows + 2, 2)
+    cpu = torch.empty(16, 2, 128, dtype=torch.bfloat16)
+    assert flash_gluon.packed_fwd_supported(cpu, cpu, cpu, cpu, 2) is False
 
 
 def test_gluon_single_pass_keys_rejects_other_tiles():
@@ -195,7 +238,7 @@ def test_gluon_window_reaches_the_forward_and_the_single_pass_on_self_attention_
     fewer = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16)
     for band, has_window, tail in (((300, 0), True, (300, 0)), (None, False, (0, 0))):
         _, args, constexprs = flash_gluon.forward_ahead(x, x, x, x, torch.empty(2, 1024), True, 0.125, band=band)
-        assert args[-2:] == tail and constexprs["HAS_WINDOW"] is has_window
+        assert args[10:12] == tail and constexprs["HAS_WINDOW"] is has_window  # (then the packed call's five)
     with pytest.raises(ValueError, match="a window on self-attention only"):
         flash_gluon.forward_ahead(fewer, x, x, fewer, torch.empty(2, 512), True, 0.125, band=(300, 0))
     lse = torch.empty(2, 1024)

@@ -308,24 +308,56 @@ def long_tailed_lengths(total: int, longest: int, seed: int) -> list[int]:
     return lengths
 
 
+def count_gluon_launches(monkeypatch) -> list[str]:
+    """The names of the packed Gluon launches (`packed_forward`, `packed_kv_pass`) the calls after this make."""
+    from cs336_systems.flash import gluon
+
+    launched = []
+    for name in ("packed_forward", "packed_kv_pass"):
+        original = getattr(gluon, name)
+        monkeypatch.setattr(gluon, name, lambda *a, _f=original, _n=name, **kw: (launched.append(_n), _f(*a, **kw)))
+    return launched
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [None, True], ids=["gluon", "two-pass"])
+@pytest.mark.parametrize("design", ["gluon", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_varlen_long_tailed_batch_meets_2x_rule(monkeypatch, dtype, d, is_causal, deterministic):
+def test_varlen_long_tailed_batch_meets_2x_rule(monkeypatch, dtype, d, is_causal, design):
     """A packed batch of 8192 tokens, lengths long-tailed (one of 2048, many short, 0 and 1), GQA 8 over 2 heads;
-    the backward's Gluon single pass (the default on sm_90) and the two-pass IS_VARLEN passes."""
+    the Gluon forward and single pass (the default on sm_90), and the Triton IS_VARLEN forward and two-pass passes
+    (the Gluon forward declined, deterministic=True)."""
     from cs336_systems.flash import gluon
 
-    passes, original = [], gluon.packed_kv_pass
-    monkeypatch.setattr(gluon, "packed_kv_pass", lambda *a, **kw: (passes.append(1), original(*a, **kw)))
+    if design == "triton":
+        monkeypatch.setattr(gluon, "packed_fwd_supported", lambda *a: False)
+    launched = count_gluon_launches(monkeypatch)
     lengths = long_tailed_lengths(8192, 2048, seed=d)
     q, k, v, do = packed_inputs(lengths, lengths, 8, 2, d, dtype, seed=20 + d)
-    ours = ours_packed(q, k, v, do, lengths, lengths, is_causal, (-1, -1), deterministic=deterministic)
+    ours = ours_packed(q, k, v, do, lengths, lengths, is_causal, (-1, -1),
+                       deterministic=True if design == "triton" else None)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    assert len(passes) == (1 if deterministic is None and sm90 else 0)
+    assert launched == (["packed_forward", "packed_kv_pass"] if design == "gluon" and sm90 else [])
     assert_close_to_float64(ours, q, k, v, do, lengths, lengths, is_causal, (-1, -1), ("x_torch", 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_gluon_edges_meet_2x_rule(monkeypatch, d, is_causal, window):
+    """The Gluon forward and single pass (bf16, GQA 4 over 2) on the edge batch at the Gluon tiles' scale: lengths 0
+    and 1, Nq != Nk, a sequence with queries but no keys (O = 0) and one with keys but no queries, ragged tiles;
+    windows narrow, empty, wider than every sequence, one-sided."""
+    launched = count_gluon_launches(monkeypatch)
+    lengths_q, lengths_k = [300, 0, 1, 513, 129, 64, 200], [350, 3, 1, 260, 0, 64, 200]
+    window = tuple(w * 16 if w > 1 else w for w in window)  # (the CPU sizes' windows, scaled as the lengths)
+    q, k, v, do = packed_inputs(lengths_q, lengths_k, 4, 2, d, torch.bfloat16, seed=40 + d)
+    ours = ours_packed(q, k, v, do, lengths_q, lengths_k, is_causal, window)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert launched == ["packed_forward", "packed_kv_pass"]
+    assert_close_to_float64(ours, q, k, v, do, lengths_q, lengths_k, is_causal, window, ("x_torch", 2.0))
 
 
 @pytest.mark.gpu

@@ -6,7 +6,9 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   forward                                           | design
   --------------------------------------------------|------------------------------
   CPU without the Triton interpreter                | PYTORCH (tiled PyTorch forward, per sequence if packed)
-  packed sequences (`varlen`)                       | TRITON (unsplit, no Gluon)
+  packed sequences, the Gluon forward takes the
+  call (any work)                                   | GLUON (over a table of (sequence, query tile) slots)
+  packed sequences otherwise                        | TRITON (unsplit)
   work >= GLUON_FWD_MIN_WORK (under a window: the
   band's, self-attention), sm_90, 16-bit, d 64/128,
   a layout Gluon takes                              | GLUON
@@ -32,12 +34,12 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
 CUDA with static sizes and no window runs the flat entry kernels launched by Inductor itself (`inlined`). A windowed
 call never splits: its reduction is bounded by the band, not by the sequence. Packed sequences (`varlen`: q, k, v
-(total, heads, D) with cu_seqlens) run the Triton kernels' IS_VARLEN variant, a program per (sequence·head, tile) of a
-grid sized by the longest sequence, through TMA descriptors made per sequence where the layout allows (`Call.tma`:
-their bounds are the sequence's, so tiles past its end load zeros and store nothing), else block pointers; the
-window's tile skipping applies within each sequence. Their backward runs in the Gluon single pass where it takes them
-(`Call.gluon_single`: sm_90, 16-bit, d 64/128, contiguous), at any work (a packed call's work is not known on the
-host), over a table of (sequence, key tile) slots.
+(total, heads, D) with cu_seqlens) run in the Gluon forward and single pass where they take them (`Call.gluon_fwd`,
+`Call.gluon_single`: sm_90, 16-bit, d 64/128, contiguous), at any work (a packed call's work is not known on the
+host), over tables of (sequence, tile) slots, longest first; elsewhere the Triton kernels' IS_VARLEN variant, a
+program per (sequence·head, tile) of a grid sized by the longest sequence, through TMA descriptors made per sequence
+where the layout allows (`Call.tma`: their bounds are the sequence's, so tiles past its end load zeros and store
+nothing), else block pointers. The window's tile skipping applies within each sequence.
 
 `KernelOptions` describes a variant of the kernel for the ablation and the benchmarks; the public op takes only
 `deterministic`. The tile configs come from `tuning` (no timing on the default path).
@@ -141,7 +143,7 @@ class Call:
     gluon_fwd: bool      # the Gluon forward takes this call's layout (sm_90, 16-bit, d 64/128, ...)
     gluon_single: bool   # the Gluon single pass takes it
     gluon_kv: bool       # the Gluon two-pass dK/dV pass takes it
-    varlen: bool = False  # packed sequences (cu_seqlens): the Triton kernels, unsplit, two-pass
+    varlen: bool = False  # packed sequences (cu_seqlens): unsplit; in Gluon by slot tables, else Triton IS_VARLEN
     window_keys: int = 0  # under a sliding window the most keys a query sees (`band_keys`), else 0
 
     @property
@@ -207,7 +209,7 @@ def _split(opts: KernelOptions, call: Call, n_rows: int, n_reduce: int) -> int:
 
 def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bool:
     """Whether a Gluon kernel that takes the call runs it (the launcher's facts say which take it: under a window
-    the forward and the single pass, on self-attention; for packed sequences the single pass). A packed call's work
+    the forward and the single pass, on self-attention; for packed sequences the same two). A packed call's work
     is not known on the host (its lengths are on the device): any work, unless the flag says False."""
     if call.varlen:
         return flag is not False
@@ -233,7 +235,8 @@ def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[F
     if not call.kernels:
         return Forward.PYTORCH, 0
     if call.varlen:
-        return Forward.TRITON, 0
+        wanted = _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK, call.work)
+        return (Forward.GLUON if wanted and call.tma and call.gluon_fwd else Forward.TRITON), 0
     chunk = _split(opts, call, call.n_q, call.n_k)
     work = call.visible_work if call.window else call.work  # (a window's: its band's)
     if _gluon_wanted(opts.gluon_fwd, call, GLUON_FWD_MIN_WORK, work) and not chunk and call.tma and call.gluon_fwd:

@@ -24,11 +24,11 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   `supported(qrows=True)` holds and the call is large): S = Q·Kᵀ and dP = dO·Vᵀ with the queries on rows
   (BLOCK_N-wide matmuls, two L/delta values per thread), P and dS through shared memory into dV += Pᵀ·dO
   and dK += dSᵀ·Q (both operands from shared memory), the diagonal tile's mask outside the loop; faster than
-  the Triton pass on the H200 at d 64 and 128. With DQ_ATOMIC (`kv_pass(qrows=True, dq_acc=)`, `KernelOptions.single_qrows`) the
-  same kernel is a single-pass backward: dQ = dS·K from the shared dS and the resident K tile, its fp32 tile
-  added into an accumulator by a TMA bulk reduction per tile through a double buffer (128 keys per program,
-  which halves the reduction traffic that held every 64-key single pass back); the default single pass before
-  the keys-on-rows kernel, kept as an ablation variant.
+  the Triton pass on the H200 at d 64 and 128. With DQ_ATOMIC (`kv_pass(qrows=True, dq_acc=)`,
+  `KernelOptions.single_qrows`) the same kernel is a single-pass backward: dQ = dS·K from the shared dS and the
+  resident K tile, its fp32 tile added into an accumulator by a TMA bulk reduction per tile through a double buffer
+  (128 keys per program, which halves the reduction traffic that held every 64-key single pass back); the default
+  single pass before the keys-on-rows kernel, kept as an ablation variant.
 - `flash_bwd_kv_gluon_kernel` (opt-in, `KernelOptions(gluon_kv=True, kv_qrows=False)`): the keys on rows,
   as the Triton pass, with the wgmma schedule written out instead of left to Triton's pipeliner, which
   waits for every non-accumulating wgmma as soon as it is issued:
@@ -56,8 +56,10 @@ Launches after the first of a signature call the compiled kernel's C launch dire
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
 into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass only, on
-self-attention. Packed sequences (varlen) in the keys-on-rows single pass only (`packed_kv_pass`: any lengths, a
-window, grouped-query heads). Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
+self-attention. Packed sequences (varlen) in the forward and the keys-on-rows single pass (`packed_forward`,
+`packed_kv_pass`: any lengths, a window, grouped-query heads; a grid of (heads, slots) over a table of (sequence,
+tile) slots made on the device, longest first; every tile checks the sequence's end at run time). Gluon has no
+interpreter, so these kernels run only on the GPU (tests marked gpu).
 
 Variants measured slower and removed (docs/design.md, "Designs tried", has each with its commit): K and V as
 register operands of Sᵀ and dPᵀ; the next tile's Sᵀ issued before this tile's dSᵀ; a warp-specialized dK/dV pass,
@@ -67,8 +69,8 @@ from registers; the keys-on-rows single pass without warp specialization, and wi
 
 Layout, top-down: the dK/dV passes (helpers, kernels: keys on rows, then queries on rows), the single pass with
 the keys on rows (loader warp, dQ warp, compute tile, kernel), the forward (producer, softmax step, consumer,
-kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass`, `packed_kv_pass` and
-`forward`.
+kernel), then the configs, `supported` / `fwd_supported` and the host launchers `kv_pass`, `packed_kv_pass`,
+`packed_forward` and `forward`.
 """
 
 from __future__ import annotations
@@ -239,6 +241,30 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
 
 
 @gluon.jit
+def _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS):
+    """Sequence `seq` of a packed call (N_SEQS: none, a spare slot's): (its first query row, first key row, numbers of
+    queries and of keys; 0 and 0 for none)."""
+    live = (seq < N_SEQS).to(gl.int32)
+    seq = gl.minimum(seq, N_SEQS - 1)
+    q0 = gl.load(CU_SEQLENS_Q + seq)
+    k0 = gl.load(CU_SEQLENS_K + seq)
+    return q0, k0, live * (gl.load(CU_SEQLENS_Q + seq + 1) - q0), live * (gl.load(CU_SEQLENS_K + seq + 1) - k0)
+
+
+@gluon.jit
+def _store_rows(ptr, x, row, col, n_rows, ROW_STRIDE):
+    """A register tile x stored from element (row, col) of a row-major matrix of ROW_STRIDE columns, its rows from
+    n_rows on masked (in a packed tensor, the next sequence's)."""
+    layout: gl.constexpr = x.type.layout
+    rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    first = row.to(gl.int64) * ROW_STRIDE + col  # (then 32-bit offsets within the tile)
+    offs = gl.expand_dims(rows * ROW_STRIDE, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(cols < x.shape[1], 0)
+    gl.store(ptr + first + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _packed_kv_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr,
                        D: gl.constexpr):
     """A packed call's dK/dV program (grid (kv_heads, slots), `_grouped_program`'s order): slot i runs key tile
@@ -250,12 +276,7 @@ def _packed_kv_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD
     seq = gl.load(TILES + 3 * slot)
     k_start = gl.load(TILES + 3 * slot + 1) * BLOCK_N
     l0 = gl.load(TILES + 3 * slot + 2)
-    live = (seq < N_SEQS).to(gl.int32)
-    seq = gl.minimum(seq, N_SEQS - 1)
-    q0 = gl.load(CU_SEQLENS_Q + seq)
-    k0 = gl.load(CU_SEQLENS_K + seq)
-    n_q = live * (gl.load(CU_SEQLENS_Q + seq + 1) - q0)
-    n_k = live * (gl.load(CU_SEQLENS_K + seq + 1) - k0)
+    q0, k0, n_q, n_k = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS)
     return k_start, k0 + k_start, kv_head * D, kv_head * KV_GROUP, q0, l0, n_q, n_k
 
 
@@ -267,14 +288,8 @@ def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
-    layout: gl.constexpr = dk.type.layout
-    rows = gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
-    first = kv_row.to(gl.int64) * ROW_STRIDE + kv_col  # (then 32-bit offsets within the tile)
-    offs = gl.expand_dims(rows * ROW_STRIDE, 1) + gl.expand_dims(cols, 0)
-    mask = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(cols < dk.shape[1], 0)
-    gl.store(dk_ptr + first + offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
-    gl.store(dv_ptr + first + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+    _store_rows(dk_ptr, dk * scale, kv_row, kv_col, n_rows, ROW_STRIDE)
+    _store_rows(dv_ptr, dv, kv_row, kv_col, n_rows, ROW_STRIDE)
 
 
 @gluon.jit(do_not_specialize=_BY_LENGTH)
@@ -891,43 +906,44 @@ def flash_bwd_single_keys_gluon_kernel(
 
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, q_row,
-                  kv_row, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  q_col, kv_row, kv_col, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   WARPGROUPS: gl.constexpr):
     mbarrier.expect(q_bar, WARPGROUPS * q_desc.block_type.nbytes)
     for r in gl.static_range(WARPGROUPS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + r * BLOCK_M, 0], q_bar, q_smem.index(r))
+        tma.async_copy_global_to_shared(q_desc, [q_row + r * BLOCK_M, q_col], q_bar, q_smem.index(r))
     for j in range(n_tiles):
         s = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(empty_k.index(s), phase)
         mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], ready_k.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], ready_k.index(s), k_smem.index(s))
         mbarrier.wait(empty_v.index(s), phase)
         mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], ready_v.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], ready_v.index(s), v_smem.index(s))
 
 
 @gluon.jit
 def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
-                 band, HAS_WINDOW: gl.constexpr):
+                 band, EDGES: gl.constexpr):
     """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
-    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. Under a window (band:
-    (left, right), causal folded in) query i sees key j iff i - left <= j <= i + right, on the tiles the band's
-    edges cut; a row may see no key of its first tiles: its max stays -inf and its exponentials are taken against
-    0 (0, not NaN)."""
-    if HAS_WINDOW:
-        left, right = band
-        if (first + sc.shape[0] - 1 - left > k_start) | (k_start + BLOCK_N - 1 - right > first):
+    tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. With EDGES (a window or packed
+    sequences; band: (left, right, keys), causal folded in) query i sees key j iff i - left <= j <= i + right and
+    j < keys, on the tiles those edges cut; a row may see no key of its first tiles: its max stays -inf and its
+    exponentials are taken against 0 (0, not NaN)."""
+    if EDGES:
+        left, right, n_k = band
+        if ((first + sc.shape[0] - 1 - left > k_start) | (k_start + BLOCK_N - 1 - right > first)
+                | (k_start + BLOCK_N > n_k)):
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
             i = gl.expand_dims(offs_m, 1)
             j = gl.expand_dims(offs_n, 0)
-            sc = gl.where((j >= i - left) & (j <= i + right), sc, float("-inf"))
+            sc = gl.where((j >= i - left) & (j <= i + right) & (j < n_k), sc, float("-inf"))
     elif is_causal:
         if k_start + BLOCK_N > first:
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
             sc = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-    if HAS_WINDOW:
+    if EDGES:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -937,11 +953,21 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, l_row,
-                  q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                  WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
-    """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored past N_QUERIES), over
+def _fwd_store_o(o, q_tile, o_desc, row, col):
+    """O from registers by TMA, through this warpgroup's Q tile (no longer read)."""
+    q_tile.store(o.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row, col], q_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                  q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, row_stride, scale, band,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  is_causal: gl.constexpr, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr, WARPGROUPS: gl.constexpr,
+                  ROLE: gl.constexpr):
+    """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored from n_q on), over
     n_tiles key tiles from key k_first."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -972,7 +998,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(0))
     p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first, first, qk_scale, BLOCK_N, is_causal, band,
-                                      HAS_WINDOW)
+                                      EDGES)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
@@ -986,7 +1012,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_j read
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + j * BLOCK_N, first, qk_scale, BLOCK_N,
-                                          is_causal, band, HAS_WINDOW)
+                                          is_causal, band, EDGES)
         # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
@@ -1001,50 +1027,86 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
     mbarrier.arrive(empty_v.index(sl))
 
-    if first < N_QUERIES:  # (the last query tile's rows past N_QUERIES belong to the next head or to none)
+    if IS_VARLEN:  # a row whose sequence holds no key it sees: O = 0, L = -inf
+        seen = l_i > 0
+        m_i = gl.where(seen, m_i, float("-inf"))
+        l_i = gl.where(seen, l_i, 1.0)
+    if first < n_q:  # (rows from n_q on belong to the next head or sequence, or to none)
         o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
-        q_tile.store(o.to(dtype))  # this warpgroup's Q rows are no longer read: they stage O
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row + ROLE * BLOCK_M, 0], q_tile)
-        tma.store_wait(pendings=0)
+        row = q_row + ROLE * BLOCK_M
+        if IS_VARLEN:
+            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
+            if first + BLOCK_M <= n_q:
+                _fwd_store_o(o, q_tile, o_desc, row, q_col)
+            else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
+                _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
+        else:
+            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+            _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
-@gluon.jit(do_not_specialize=("WINDOW_LEFT", "WINDOW_RIGHT"))
+@gluon.jit(do_not_specialize=("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
+    O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
+    WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), the longest causal
     tiles first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
     in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band`
     gives it, causal folded in; self-attention, so that every query sees its own key) a program streams only the
-    key tiles its rows' bands meet."""
-    dtype: gl.constexpr = q_desc.dtype
-    batch_head = gl.program_id(0)
-    if is_causal:
-        tile = gl.num_programs(1) - 1 - gl.program_id(1)
-    else:
-        tile = gl.program_id(1)
+    key tiles its rows' bands meet.
+
+    With IS_VARLEN (packed sequences): grid (heads, slots); slot i runs query tile TILES[i, 1] of sequence TILES[i, 0]
+    (N_SEQS: a spare slot, which stores nothing); Q, O: (total_q, H·D) views, K, V: (total_k, Hkv·D), a head's D
+    columns per box; O_ptr: O; L: (H, total_q); N_QUERIES, N_KEYS the totals; the band (the window's, or unbounded
+    sides) bounds the keys as a window's does, each tile checks the band and the sequence's end at run time, and a
+    sequence's last rows are stored with a mask (the rows after them are the next sequence's)."""
     ROWS: gl.constexpr = WARPGROUPS * BLOCK_M
-    q_start = tile * ROWS
-    batch = batch_head // N_HEADS
-    head = batch_head % N_HEADS
-    kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
-    l_row = batch_head * N_QUERIES
-    q_row = l_row + q_start
-    if HAS_WINDOW:  # the keys from the first row's left edge to the last row's right edge
+    if IS_VARLEN:
+        head = gl.program_id(0)
+        slot = gl.program_id(1)
+        q_start = gl.load(TILES + 2 * slot + 1) * ROWS
+        q0, k0, n_q, n_k = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, gl.load(TILES + 2 * slot), N_SEQS)
+        q_row = q0 + q_start
+        q_col = head * D
+        kv_row = k0
+        kv_col = head // KV_GROUP * D
+        l_row = head * N_QUERIES + q0
         j0 = gl.maximum(q_start - WINDOW_LEFT, 0) // BLOCK_N
-        n_tiles = gl.cdiv(gl.minimum(q_start + ROWS + WINDOW_RIGHT, N_KEYS), BLOCK_N) - j0
-    elif is_causal:  # top-left: the keys up to the tile's last query
-        j0 = 0
-        n_tiles = gl.cdiv(gl.minimum(q_start + ROWS, N_KEYS), BLOCK_N)
+        # (at least one tile: a program without keys still takes its turns, every score masked)
+        n_tiles = gl.maximum(gl.cdiv(gl.minimum(q_start + ROWS + WINDOW_RIGHT, n_k), BLOCK_N) - j0, 1)
     else:
-        j0 = 0
-        n_tiles = N_KEYS // BLOCK_N
-    band = (WINDOW_LEFT, WINDOW_RIGHT)
+        batch_head = gl.program_id(0)
+        if is_causal:
+            tile = gl.num_programs(1) - 1 - gl.program_id(1)
+        else:
+            tile = gl.program_id(1)
+        q_start = tile * ROWS
+        batch = batch_head // N_HEADS
+        head = batch_head % N_HEADS
+        kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
+        l_row = batch_head * N_QUERIES
+        q_row = l_row + q_start
+        q_col = 0
+        kv_col = 0
+        n_q = N_QUERIES
+        n_k = N_KEYS
+        if HAS_WINDOW:  # the keys from the first row's left edge to the last row's right edge
+            j0 = gl.maximum(q_start - WINDOW_LEFT, 0) // BLOCK_N
+            n_tiles = gl.cdiv(gl.minimum(q_start + ROWS + WINDOW_RIGHT, N_KEYS), BLOCK_N) - j0
+        elif is_causal:  # top-left: the keys up to the tile's last query
+            j0 = 0
+            n_tiles = gl.cdiv(gl.minimum(q_start + ROWS, N_KEYS), BLOCK_N)
+        else:
+            j0 = 0
+            n_tiles = N_KEYS // BLOCK_N
+    EDGES: gl.constexpr = HAS_WINDOW or IS_VARLEN
+    band = (WINDOW_LEFT, WINDOW_RIGHT, n_k)
     k_first = j0 * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -1066,28 +1128,30 @@ def flash_fwd_gluon_kernel(
 
     if WARPGROUPS == 2:
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
-                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 0)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
-                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 1)),
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 0)),
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 1)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, kv_row + k_first, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+                             empty_v, q_row, q_col, kv_row + k_first, kv_col, n_tiles, BLOCK_M, BLOCK_N, STAGES,
+                             WARPGROUPS)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
-                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 0)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
-                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 1)),
-            (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                             q_row, l_row, q_start, k_first, n_tiles, N_QUERIES, scale, band, BLOCK_M, BLOCK_N, D,
-                             STAGES, is_causal, HAS_WINDOW, WARPGROUPS, 2)),
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 0)),
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 1)),
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 2)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, kv_row + k_first, n_tiles, BLOCK_M, BLOCK_N, STAGES, WARPGROUPS)),
+                             empty_v, q_row, q_col, kv_row + k_first, kv_col, n_tiles, BLOCK_M, BLOCK_N, STAGES,
+                             WARPGROUPS)),
         ], [4, 4, 1], [REGS_3WG, REGS_3WG, 24])
 
 
@@ -1234,6 +1298,13 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         config = FWD_CONFIGS[d]
         _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
+    if name == "flash_fwd_packed_gluon":  # (two sequences of seq / 2 tokens)
+        config = FWD_CONFIGS[d]
+        packed = torch.empty(seq, heads, d, dtype=dtype)
+        cu_seqlens = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
+        _, args, constexprs, _ = _packed_fwd_launch_plan(packed, packed, packed, packed, lse, cu_seqlens, cu_seqlens,
+                                                         causal, d ** -0.5, None)
+        return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config
     if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon",
                 "flash_bwd_single_pass_keys_gluon"):
         qrows = name in ("flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon")
@@ -1255,8 +1326,9 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
-GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_bwd_kv_gluon": CONFIGS,
-                 "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS, "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
+GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_packed_gluon": FWD_CONFIGS,
+                 "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS,
+                 "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
                  "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS,
                  "flash_bwd_single_pass_keys_packed_gluon": SINGLE_PASS_KEYS_CONFIGS}
 
@@ -1389,10 +1461,25 @@ PACKED_TAIL = 4
 UNBOUNDED = 1 << 30
 
 
-def packed_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Whether `packed_kv_pass` takes these packed (total, heads, D) tensors: what `supported` asks of the
-    keys-on-rows single pass's (contiguous, 16-bit, d 64/128, sm_90), any lengths."""
-    return _takes((q, k, v, do), q.shape[-1], SINGLE_PASS_KEYS_CONFIGS)
+def _packed_takes(tensors, d: int, configs: dict, total: int, block: int, batch: int) -> bool:
+    """`_takes`, and a grid of at most MAX_SLOTS slots."""
+    return -(-total // block) + batch <= MAX_SLOTS and _takes(tensors, d, configs)
+
+
+def packed_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, batch: int) -> bool:
+    """Whether `packed_kv_pass` takes these packed (total, heads, D) tensors of `batch` sequences: what `supported`
+    asks of the keys-on-rows single pass's (contiguous, 16-bit, d 64/128, sm_90), any lengths, its slots in a grid."""
+    d = q.shape[-1]
+    block_n = SINGLE_PASS_KEYS_CONFIGS.get(d, (1, 1))[1]
+    return _packed_takes((q, k, v, do), d, SINGLE_PASS_KEYS_CONFIGS, k.shape[0], block_n, batch)
+
+
+def packed_fwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, batch: int) -> bool:
+    """Whether `packed_forward` takes these packed (total, heads, D) tensors of `batch` sequences: what `fwd_supported`
+    asks (contiguous, 16-bit, d 64/128, sm_90), any lengths, its slots in a grid."""
+    d = q.shape[-1]
+    block_m, _, warps, _ = FWD_CONFIGS.get(d, (1, 1, 4, 0))
+    return _packed_takes((q, k, v, o), d, FWD_CONFIGS, q.shape[0], block_m * (warps // 4), batch)
 
 
 def packed_rows(cu_seqlens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -1409,27 +1496,51 @@ def packed_rows(cu_seqlens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor,
     return starts, starts[seq] + rows - offsets[seq], (total_q + 3 * batch + 3) // 4 * 4
 
 
-def packed_key_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, block_n: int,
-                     is_causal: bool, starts: torch.Tensor) -> torch.Tensor:
-    """The slots of a packed single pass, (slots, 3) int32 rows (sequence, key tile, the sequence's first column in
-    L and delta: `starts`, `packed_rows`'), made on the device without a sync: cdiv(total_k, block_n) + batch slots
-    (at least the tiles there are); those past the last tile name sequence `batch` (spare). Longest first: ordered by
-    the queries a tile's program visits (causal: those from its first key on), so that the long programs do not run
-    alone at the end."""
-    batch = cu_seqlens_k.shape[0] - 1
-    n_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    tiles = (n_k + block_n - 1) // block_n
+# a packed grid's slots run along grid axis 1 (at most 65535 programs)
+MAX_SLOTS = 65535
+
+
+def _slots(cu_seqlens: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, ...]:
+    """The tiles of `block` rows of every packed sequence, made on the device without a sync: cdiv(total, block) +
+    batch slots (at least the tiles there are). Returns per slot (its sequence, batch past the last tile: spare; the
+    tile within it; whether it is live; the sequence clamped to the last)."""
+    batch = cu_seqlens.shape[0] - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    tiles = (lengths + block - 1) // block
     ends = tiles.cumsum(0)
-    slot = torch.arange(-(-total_k // block_n) + batch, device=cu_seqlens_k.device)
+    slot = torch.arange(-(-total // block) + batch, device=cu_seqlens.device)
     seq = torch.searchsorted(ends, slot, right=True)
     live = seq < batch
     first = seq.clamp(max=batch - 1)
-    tile = slot - (ends - tiles)[first]
-    work = (n_q[first] - tile * block_n).clamp(min=0) if is_causal else n_q[first]
+    return seq, torch.where(live, slot - (ends - tiles)[first], 0), live, first
+
+
+def _longest_first(columns: tuple[torch.Tensor, ...], live: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """The slots' columns as (slots, columns) int32 rows, by `work` descending (stable), the spare slots last: so that
+    the long programs do not run alone at the end."""
     order = torch.argsort(torch.where(live, work, -1), descending=True, stable=True)
-    return torch.stack((seq, torch.where(live, tile, 0), torch.where(live, starts[first], 0)), 1)[order].to(
-        torch.int32)
+    return torch.stack(columns, 1)[order].to(torch.int32)
+
+
+def packed_key_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, block_n: int,
+                     is_causal: bool, starts: torch.Tensor) -> torch.Tensor:
+    """The slots of a packed single pass (`_slots` of the keys), (slots, 3) int32 rows (sequence, key tile, the
+    sequence's first column in L and delta: `starts`, `packed_rows`'), longest first by the queries a tile's program
+    visits (causal: those from its first key on)."""
+    seq, tile, live, first = _slots(cu_seqlens_k, total_k, block_n)
+    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[first]
+    work = (n_q - tile * block_n).clamp(min=0) if is_causal else n_q
+    return _longest_first((seq, tile, torch.where(live, starts[first], 0)), live, work)
+
+
+def packed_query_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, rows: int,
+                       is_causal: bool) -> torch.Tensor:
+    """The slots of a packed forward (`_slots` of the queries, tiles of `rows`), (slots, 2) int32 rows (sequence, query
+    tile), longest first by the keys a tile's program visits (causal: those up to its last query)."""
+    seq, tile, live, first = _slots(cu_seqlens_q, total_q, rows)
+    n_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[first]
+    work = torch.minimum(n_k, (tile + 1) * rows) if is_causal else n_k
+    return _longest_first((seq, tile), live, work)
 
 
 def _packed_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -1479,6 +1590,38 @@ def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seq
     _launch(flash_bwd_single_keys_gluon_kernel, grid, args, constexprs, key, cached)
 
 
+def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
+                            band: tuple[int, int] | None):
+    """(grid, arguments, constexprs, cache key) of a `packed_forward` launch."""
+    total_q, heads, d = q.shape
+    total_k, kv_heads, _ = k.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    block_m, block_n, warps, stages = FWD_CONFIGS[d]
+    groups = warps // 4
+    left, right = band if band is not None else (UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    tiles = packed_query_tiles(cu_seqlens_q, cu_seqlens_k, total_q, groups * block_m, is_causal)
+    grid = (heads, tiles.shape[0], 1)
+    args = (_packed_desc(q, block_m), _packed_desc(k, block_n), _packed_desc(v, block_n), _packed_desc(o, block_m),
+            lse, heads, heads // kv_heads, total_q, total_k, scale, left, right, o, cu_seqlens_q, cu_seqlens_k, tiles,
+            batch)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
+                      HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
+    key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
+           band is not None, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
+           cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
+    return grid, args, constexprs, key
+
+
+def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
+                   band: tuple[int, int] | None = None, cached: bool = True) -> None:
+    """The forward over packed sequences, for tensors `packed_fwd_supported` accepted: O into o (packed like q), L
+    (natural log) into lse, fp32 (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for
+    none."""
+    grid, args, constexprs, key = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal,
+                                                          scale, band)
+    _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)
+
+
 def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
                      band: tuple[int, int] | None = None):
     """(grid, arguments, constexprs, cache key) of a forward launch (band: a window's, `chooser.band`)."""
@@ -1492,10 +1635,10 @@ def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
         raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
                          f"Nk {n_k}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
-                      HAS_WINDOW=band is not None, num_warps=4)
+                      HAS_WINDOW=band is not None, IS_VARLEN=False, num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
-            heads // kv_heads, n_q, n_k, scale, *(band or (0, 0)))
+            heads // kv_heads, n_q, n_k, scale, *(band or (0, 0)), o4, lse, lse, lse, 0)  # (a packed call's five)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band)  # (the grid, as in `_kv_launch_plan`)
     return grid, args, constexprs, key

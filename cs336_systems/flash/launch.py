@@ -859,14 +859,15 @@ def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, m
                 is_causal: bool, band: tuple[int, int] | None, *others: torch.Tensor,
                 do: torch.Tensor | None = None) -> chooser.Call:
     """The chooser's view of a packed call (lengths: the longest sequences'); TMA where every tensor the call's kernels
-    tile (q, k, v and `others`) allows it; for a backward (`do`, contiguous as it will be passed) whether the Gluon
-    single pass takes it."""
+    tile (q, k, v and `others`) allows it; for a forward (`others`: O) whether the Gluon forward takes it, for a
+    backward (`do`, contiguous as it will be passed) whether the Gluon single pass does."""
     index = device_index(q)
     runs = q.is_cuda or INTERPRET
     tma = runs and tma_wanted(DEFAULT_OPTIONS, q) and tma_ok(q, k, v, *others)
-    single = do is not None and tma and gluon.packed_supported(q, k, v, do)
+    fwd = do is None and tma and gluon.packed_fwd_supported(q, k, v, *others, batch)
+    single = do is not None and tma and gluon.packed_supported(q, k, v, do, batch)
     return chooser.Call(batch, q.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2], is_causal, runs,
-                        0 if index is None else chooser.sm_count(index), tma, False, single, False, varlen=True,
+                        0 if index is None else chooser.sm_count(index), tma, fwd, single, False, varlen=True,
                         window_keys=chooser.band_keys(band, max_seqlen_k))
 
 
@@ -889,15 +890,17 @@ def _varlen_launch(kernel, name: str, call: chooser.Call, q: torch.Tensor, grid_
                  CU_SEQLENS_K=cu_seqlens_k, **meta, **constexprs)
 
 
-def varlen_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                          scale: float, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (total_q, H, D) and L (H, total_q) fp32 of checked packed inputs, by the forward kernel's IS_VARLEN variant."""
+def varlen_forward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                           scale: float, window: tuple[int, int] = NO_WINDOW,
+                           opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (total_q, H, D) and L (H, total_q) fp32 of checked packed inputs: the Gluon forward over a table of
+    (sequence, query tile) slots where the chooser routes it, else the Triton forward kernel's IS_VARLEN variant."""
     _check_launchable(q)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
-            return varlen_forward_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                         scale, window)
+            return varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                          scale, window, opts)
     total_q, heads, _ = q.shape
     o = empty_like(q)
     lse = q.new_empty((heads, total_q), dtype=torch.float32)
@@ -906,7 +909,12 @@ def varlen_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         return o, lse
     band = varlen_band(window, is_causal, max_seqlen_q, max_seqlen_k)
     call = varlen_call(q, k, v, batch, max_seqlen_q, max_seqlen_k, is_causal, band, o)
-    assert chooser.forward_design(call) == (Forward.TRITON, 0)
+    design = chooser.forward_design(call, opts)
+    if design == (Forward.GLUON, 0):
+        gluon.packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, scale, band,
+                             cached=not launch_hooks_installed())
+        return o, lse
+    assert design == (Forward.TRITON, 0)
     _varlen_launch(kernels.flash_fwd_kernel, "fwd", call, q, max_seqlen_q, heads,
                    (q, k, v, o, lse, *map(_packed_strides, (q, k, v, o)), heads, heads // k.shape[1], total_q,
                     k.shape[0], scale, 0), band, cu_seqlens_q, cu_seqlens_k, SPLIT=False)
@@ -974,8 +982,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     """(O, L) of a packed call: the IS_VARLEN kernels, or on a CPU without the interpreter the tiled PyTorch forward
     sequence by sequence (a sequence without keys: O = 0, L = -inf)."""
     if q.device.type == "cuda" or INTERPRET:
-        return varlen_forward_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                     scale, window)
+        return varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                      scale, window)
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
