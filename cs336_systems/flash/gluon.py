@@ -225,12 +225,18 @@ def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_he
 
 
 @gluon.jit
-def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
-    """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA)."""
-    dtype: gl.constexpr = dk_desc.dtype
+def _kv_barriers_invalidated(ready, kv_bar, STAGES: gl.constexpr):
+    """The end of a dK/dV program's barriers (`_kv_program_start`'s)."""
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
+
+
+@gluon.jit
+def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
+    """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    _kv_barriers_invalidated(ready, kv_bar, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     out_smem.index(0).store((dk * scale).to(dtype))
     out_smem.index(1).store(dv.to(dtype))
@@ -285,9 +291,7 @@ def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows
                            STAGES: gl.constexpr):
     """`_kv_program_end` of a packed call: dK·scale and dV stored from registers, rows n_rows on masked (they are the
     next sequence's)."""
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-    mbarrier.invalidate(kv_bar)
+    _kv_barriers_invalidated(ready, kv_bar, STAGES)
     _store_rows(dk_ptr, dk * scale, kv_row, kv_col, n_rows, ROW_STRIDE)
     _store_rows(dv_ptr, dv, kv_row, kv_col, n_rows, ROW_STRIDE)
 
