@@ -1281,14 +1281,23 @@ def _row_desc(t: torch.Tensor, cols: int) -> TensorDescriptor:
     16-byte-aligned base: a misaligned one is copied)."""
     if t.data_ptr() % 16:
         t = t.clone()
-    rows = t.view(-1, cols)
+    return _row_boxes(t.view(-1, cols), cols)
+
+
+def _row_boxes(rows: torch.Tensor, cols: int) -> TensorDescriptor:
+    """An fp32 2-D tensor (L or delta: `_row_desc`'s rows, or a packed call's as `packed_rows` lays them out) as boxes
+    of one row × `cols` values."""
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, cols], _row_layout())
 
 
+def _tiles_desc(flat: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
+    """A 2-D view as boxes of `rows` rows × d columns, in the shared layout the kernels use for such a tile."""
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], _smem_layout(rows, d, flat.dtype))
+
+
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    flat = t.view(-1, t.shape[-1])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
-                            _smem_layout(rows, t.shape[-1], t.dtype))
+    """A (·, D) tensor as its (rows, D) view, tiles of `rows` rows."""
+    return _tiles_desc(t.view(-1, t.shape[-1]), rows, t.shape[-1])
 
 
 def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
@@ -1549,14 +1558,7 @@ def packed_query_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, t
 
 def _packed_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A packed (total, heads, D) tensor as its (total, heads·D) view, tiles of `rows` rows and one head's columns."""
-    flat = t.view(t.shape[0], -1)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]],
-                            _smem_layout(rows, t.shape[-1], t.dtype))
-
-
-def _packed_row_desc(t: torch.Tensor, cols: int) -> TensorDescriptor:
-    """L or delta of a packed call as `packed_rows` lays them out (fp32 (H, columns), aligned), boxes of `cols`."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, cols], _row_layout())
+    return _tiles_desc(t.view(t.shape[0], -1), rows, t.shape[-1])
 
 
 def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
@@ -1573,7 +1575,7 @@ def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, c
     rows = [t.new_zeros(heads, width).index_copy_(1, columns, t) for t in (lse, delta)]
     grid = (kv_heads, tiles.shape[0], 1)
     args = (_packed_desc(q, block_m), _packed_desc(k, block_n), _packed_desc(v, block_n), _packed_desc(do, block_m),
-            dk, dv, _packed_row_desc(rows[0], block_m), _packed_row_desc(rows[1], block_m), _desc(dq_acc, block_m),
+            dk, dv, _row_boxes(rows[0], block_m), _row_boxes(rows[1], block_m), _desc(dq_acc, block_m),
             heads, heads // kv_heads, total_q, total_k, scale, 1, max(1, kv_heads // PACKED_TAIL), left, right,
             cu_seqlens_q, cu_seqlens_k, tiles, batch)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
