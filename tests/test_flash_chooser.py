@@ -37,18 +37,26 @@ def test_flash_chooser_forward_routes(facts, opts, expected):
 
 @pytest.mark.parametrize("batch_heads", [1, 16, 32, 100, 512, 4096])
 @pytest.mark.parametrize("d,causal", [(64, True), (64, False), (128, True), (128, False)])
-def test_flash_chooser_gluon_length_is_the_shortest_whole_tile_length_running_both_passes_in_gluon(batch_heads, d,
-                                                                                                  causal):
-    """Where a signature compiles its Gluon kernels ahead (`launch.prewarm`): both passes there are Gluon by work,
-    256 rows shorter they are not (unless that is empty)."""
+def test_flash_chooser_gluon_lengths_are_the_shortest_whole_tile_lengths_of_each_gluon_backward(batch_heads, d,
+                                                                                               causal):
+    """Where a signature compiles its Gluon kernels ahead (`launch.prewarm`): at the first length the Gluon forward
+    runs with the two-pass design's Gluon dK/dV pass (or already the single pass), at the last with the single pass;
+    256 rows shorter each of them does not (unless that is empty)."""
     def designs(n):
         facts = call(dict(batch=1, heads=batch_heads, n_q=n, n_k=n), d=d, causal=causal, sms=0)  # (no split)
-        return chooser.forward_design(facts), chooser.backward_design(facts).design
+        choice = chooser.backward_design(facts)
+        gluon_backward = choice.design is Backward.GLUON_SINGLE or choice.gluon_kv
+        return chooser.forward_design(facts) == (Forward.GLUON, 0), gluon_backward, choice.design
 
-    n = chooser.gluon_length(batch_heads, d, causal)
-    assert n % 256 == 0 and designs(n) == ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
-    assert n == 256 or designs(n - 256) != ((Forward.GLUON, 0), Backward.GLUON_SINGLE)
-    assert chooser.gluon_length(0, d, causal) == chooser.gluon_length(1, d, causal)  # (no heads: as one)
+    lengths = chooser.gluon_lengths(batch_heads, d, causal)
+    assert 1 <= len(lengths) <= 2 and list(lengths) == sorted(set(lengths))
+    assert all(n % 256 == 0 for n in lengths)
+    first, last = lengths[0], lengths[-1]
+    assert designs(first)[:2] == (True, True)
+    assert first == 256 or designs(first - 256)[:2] != (True, True)
+    assert designs(last) == (True, True, Backward.GLUON_SINGLE)
+    assert last == 256 or designs(last - 256) != (True, True, Backward.GLUON_SINGLE)
+    assert chooser.gluon_lengths(0, d, causal) == chooser.gluon_lengths(1, d, causal)  # (no heads: as one)
 
 
 @pytest.mark.parametrize("facts,opts,expected", [
@@ -75,26 +83,31 @@ def test_flash_chooser_two_pass_takes_the_gluon_kv_pass_only_unsplit_and_large()
     assert short.kv_chunk and short.dq_chunk and not short.gluon_kv
 
 
-@pytest.mark.parametrize("batch,seq,d,causal,forward,backward,inlined_fwd,inlined_bwd", [
-    (32, 512, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # 2^27: the Gluon forward ...
-    (32, 512, 128, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False),  # ... at d 128 the Gluon backward
-    (32, 512, 128, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # ... but 2^26 visible when causal
-    (16, 1024, 64, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False),  # 2^28: Gluon both ways
-    (16, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, True),  # 2^27 visible: the Triton backward
-    (16, 1024, 128, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False),
-    (8, 2048, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False),
-    (1, 1024, 64, True, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 (host-bound): Triton both ways
-    (4, 512, 128, False, Forward.TRITON, Backward.TRITON_TWO_PASS, True, True),  # 2^24 at d 128
+@pytest.mark.parametrize("batch,seq,d,causal,forward,backward,gluon_kv,inlined_fwd,inlined_bwd", [
+    (32, 512, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, False, True),  # 2^27: the Gluon forward ...
+    (32, 512, 128, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # ... d 128 the Gluon backward
+    (32, 512, 128, True, Forward.GLUON, Backward.TRITON_TWO_PASS, True, False, False),  # 2^26 visible: Gluon dK/dV
+    (16, 1024, 64, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # 2^28: Gluon both ways
+    (16, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, True, False, False),  # 2^27 visible: Gluon dK/dV
+    (16, 1024, 128, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),
+    (8, 2048, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),
+    (8, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, False, True),  # 2^26 visible at d 64: Triton
+    (1, 1024, 64, True, Forward.TRITON, Backward.TRITON_TWO_PASS, False, True, True),  # 2^24 (host-bound): Triton
+    (4, 512, 128, False, Forward.TRITON, Backward.TRITON_TWO_PASS, False, True, True),  # 2^24 at d 128
 ])
-def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, d, causal, forward, backward, inlined_fwd,
-                                                             inlined_bwd):
-    """The training grid's points (16 heads): the Gluon forward from GLUON_FWD_MIN_WORK, the Gluon backward from
-    its head dim's GLUON_BWD_MIN_WORK of visible work (half the work when causal), each inlined under
-    torch.compile below its own threshold."""
+def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, d, causal, forward, backward, gluon_kv,
+                                                             inlined_fwd, inlined_bwd):
+    """The training grid's points (16 heads): the Gluon forward from GLUON_FWD_MIN_WORK, the Gluon single pass from
+    its head dim's GLUON_BWD_MIN_WORK of visible work (half the work when causal), the two-pass design's Gluon dK/dV
+    pass from half that, each inlined under torch.compile below its own threshold (the backward: below both)."""
     grid_call = call(sizes=dict(batch=batch, heads=16, n_q=seq, n_k=seq), d=d, causal=causal)
     assert chooser.forward_design(grid_call) == (forward, 0)
-    assert chooser.backward_design(grid_call).design is backward
+    choice = chooser.backward_design(grid_call)
+    assert (choice.design, choice.gluon_kv) == (backward, gluon_kv)
     assert (chooser.inlined(grid_call), chooser.inlined(grid_call, backward=True)) == (inlined_fwd, inlined_bwd)
+    deterministic = chooser.backward_design(grid_call, KernelOptions(deterministic=True))
+    assert deterministic.design is Backward.TRITON_TWO_PASS
+    assert deterministic.gluon_kv == (grid_call.visible_work >= chooser.gluon_kv_min_work(d))
 
 
 @pytest.mark.parametrize("facts,expected", [

@@ -479,7 +479,7 @@ def test_gluon_launch_cache_keys_on_the_head_dim():
 @pytest.mark.gpu
 def test_gluon_kernels_compiled_ahead_for_longer_calls():
     """A signature's first call, short enough for the Triton kernels, compiles in the background the kernels that
-    its batch and heads run from `chooser.gluon_length` (the Gluon ones and the Triton ones around them): the first
+    its batch and heads run from `chooser.gluon_lengths` (the Gluon ones and the Triton ones around them): the first
     longer call then compiles none (fp16, full attention, d 128: a signature no other test here runs first)."""
     from cs336_systems.flash import chooser, gluon as flash_gluon, launch, triton_kernels
     from cs336_systems.flash_triton import flash_attention
@@ -491,7 +491,7 @@ def test_gluon_kernels_compiled_ahead_for_longer_calls():
         return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
 
     b, h, d = 2, 16, 128
-    n = chooser.gluon_length(b * h, d, False)
+    n = chooser.gluon_lengths(b * h, d, False)[-1]
     for length in (512, n):
         q, k, v = (randn_cuda(b, h, length, d, seed=60 + i, dtype=torch.float16).requires_grad_() for i in range(3))
         flash_attention(q, k, v, False).sum().backward()

@@ -56,12 +56,17 @@ import torch
 
 from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
-# The forward runs in Gluon from GLUON_FWD_MIN_WORK batch·heads·Nq·Nk, the backward from GLUON_BWD_MIN_WORK of visible
-# work (causal: half). A Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's cached
-# C launch, and short calls are host-bound, so they keep Triton. Measured on the H200 (runs/ab: the Gluon forward
-# as fast or faster from 2^27 at d 64 and 128; the Gluon single pass against the Triton two-pass, interleaved
-# rounds, at 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where
-# its extra host time shows (causal 16 × 1024 d 64: 0.90 against 0.66 ms))
+# The forward runs in Gluon from GLUON_FWD_MIN_WORK batch·heads·Nq·Nk, the single-pass backward from
+# GLUON_BWD_MIN_WORK of visible work (causal: half), the two-pass design's dK/dV pass from half that
+# (`gluon_kv_min_work`). A Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's cached
+# C launch, and short calls are host-bound, so they keep Triton. Measured on the H200 (runs/ab: the Gluon forward as
+# fast or faster from 2^27 at d 64 and 128; the Gluon single pass against the Triton two-pass, interleaved rounds, at
+# 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where its extra
+# host time shows (causal 16 × 1024 d 64: 0.90 against 0.66 ms)). In the band below the single pass's, the two-pass
+# design with its dK/dV pass in Gluon (no fp32 dQ accumulator to clear, fill and cast) beat the Triton two-pass at
+# every point measured and the single pass at most (H100, settled calls, runs/ab/backward_designs_6414799.jsonl:
+# causal 32 × 512 d 128 1.35 → 1.06× cuDNN, causal 16 × 1024 d 64 1.23 → 1.12×); a band lower, the Triton two-pass
+# won at most points.
 GLUON_FWD_MIN_WORK = 1 << 27
 GLUON_BWD_MIN_WORK = {64: 1 << 28, 128: 1 << 27}  # per Gluon head dim (d <= 64 runs the d-64 kernels)
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
@@ -217,17 +222,27 @@ def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bo
 
 
 def gluon_bwd_min_work(d: int) -> int:
-    """The visible work from which a backward of head dim d runs in Gluon (`GLUON_BWD_MIN_WORK`)."""
+    """The visible work from which a backward of head dim d runs the Gluon single pass (`GLUON_BWD_MIN_WORK`)."""
     return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128]
 
 
-def gluon_length(batch_heads: int, d: int, causal: bool) -> int:
-    """The shortest length, in whole 256-row tiles, at which a self-attention call of batch·heads runs both passes
-    in Gluon by their work (`GLUON_FWD_MIN_WORK`, `gluon_bwd_min_work`): where a signature compiles its Gluon kernels
-    ahead of its longer calls (`launch.prewarm`)."""
-    work = max(GLUON_FWD_MIN_WORK, gluon_bwd_min_work(d) * (2 if causal else 1))
-    n = math.isqrt(-(-work // max(batch_heads, 1)) - 1) + 1  # (the ceiling of the square root)
-    return -(-n // 256) * 256
+def gluon_kv_min_work(d: int) -> int:
+    """The visible work from which the two-pass backward of head dim d runs its dK/dV pass in Gluon: half the single
+    pass's (`gluon_bwd_min_work`); below it no Gluon backward runs."""
+    return gluon_bwd_min_work(d) // 2
+
+
+def gluon_lengths(batch_heads: int, d: int, causal: bool) -> tuple[int, ...]:
+    """The shortest lengths, in whole 256-row tiles, at which a self-attention call of batch·heads runs the Gluon
+    forward with each Gluon backward by their work (the two-pass design's dK/dV pass, then the single pass; one
+    length where both start together): where a signature compiles its Gluon kernels ahead of its longer calls
+    (`launch.prewarm`)."""
+    def length(visible: int) -> int:
+        work = max(GLUON_FWD_MIN_WORK, visible * (2 if causal else 1))
+        n = math.isqrt(-(-work // max(batch_heads, 1)) - 1) + 1  # (the ceiling of the square root)
+        return -(-n // 256) * 256
+
+    return tuple(sorted({length(gluon_kv_min_work(d)), length(gluon_bwd_min_work(d))}))
 
 
 def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:
@@ -261,14 +276,16 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
     dq_chunk = _split(opts, call, call.n_q, call.n_k)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
     kv_chunk = _split(opts, call, call.n_k, call.n_q)
-    gluon_kv = gluon and not kv_chunk and call.gluon_kv and not call.window  # (it has no window)
+    gluon_kv = (_gluon_wanted(opts.gluon_kv, call, gluon_kv_min_work(call.d), call.visible_work)
+                and opts.skip_masked_tiles and call.tma and not kv_chunk and call.gluon_kv
+                and not call.window)  # (it has no window)
     return BackwardChoice(Backward.TRITON_TWO_PASS, gluon_kv, dq_chunk, kv_chunk)
 
 
 def inlined(call: Call, backward: bool = False) -> bool:
     """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
     launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
-    short = call.visible_work < gluon_bwd_min_work(call.d) if backward else call.work < GLUON_FWD_MIN_WORK
+    short = call.visible_work < gluon_kv_min_work(call.d) if backward else call.work < GLUON_FWD_MIN_WORK
     return (call.kernels and call.sms > 0 and short and not call.window and not call.varlen
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))

@@ -754,10 +754,10 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower steps on the
         H200), so a new length of the other class finds its kernels compiled (or in flight);
       - after those, where the signature can run Gluon kernels (sm_90, 16-bit, a layout they take), every kernel its
-        batch and heads run at `chooser.gluon_length`: a longer call finds them compiled.
+        batch and heads run at each of `chooser.gluon_lengths`: a longer call finds them compiled.
     Any launch whose kernel is still compiling in the background waits for that compile. A dO of another layout
     compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels where
-    the placeholders at gluon_length would)."""
+    the placeholders at a Gluon length would)."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _PREWARMED:
         return
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size
@@ -767,17 +767,18 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     _PREWARMED.add(key)
     background.submit(own, q.device)
     makers = [[_maker(t, _sibling_length(t.shape[-2])) for t in (q, k, v)]]
-    n = chooser.gluon_length(q.numel() // (q.shape[-2] * q.shape[-1]), q.shape[-1], is_causal)
-    if (q.dtype in gluon.GLUON_DTYPES and window == NO_WINDOW
-            and q.numel() // q.shape[-2] * n * q.element_size() <= PREWARM_MAX_BYTES):
-        makers.append([_maker(t, n) for t in (q, k, v)])  # (k, v at n too: a self-attention call)
+    if q.dtype in gluon.GLUON_DTYPES and window == NO_WINDOW:
+        for n in chooser.gluon_lengths(q.numel() // (q.shape[-2] * q.shape[-1]), q.shape[-1], is_causal):
+            if q.numel() // q.shape[-2] * n * q.element_size() <= PREWARM_MAX_BYTES:
+                makers.append([_maker(t, n) for t in (q, k, v)])  # (k, v at n too: a self-attention call)
     device = q.device  # (not q itself: nothing of the call is held until these start)
 
     def ahead() -> None:
         sibling_forward, sibling = _collect(*(make() for make in makers[0]), is_causal, opts, grads, window)
         siblings = background.submit(sibling_forward + sibling, device)
-        if len(makers) > 1:  # (after the siblings: a new length of the same size is the likelier next call)
-            longer = sum(_collect(*(make() for make in makers[1]), is_causal, opts, grads, window), [])
+        # (after the siblings: a new length of the same size is the likelier next call)
+        for longer_makers in makers[1:]:
+            longer = sum(_collect(*(make() for make in longer_makers), is_causal, opts, grads, window), [])
             if any(not isinstance(launcher, _Launcher) for launcher, _, _ in longer):  # (else no Gluon kernel runs)
                 background.submit(longer, device, after=siblings)
 
