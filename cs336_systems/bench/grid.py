@@ -4,7 +4,9 @@ Points (`GRID`): (batch, seq) in (32, 512), (16, 1024), (8, 2048), (4, 4096), (2
 (16,384 tokens each) x 16 query heads x (d 64 bf16, d 64 fp16, d 128 bf16) x causal and not, plus
 grouped-query attention 16:4 (4 k/v heads) at (8, 2048) in each of those six settings: 42 points.
 q (B, H, S, D), k and v (B, Hkv, S, D), contiguous, requires_grad. Timed with triton.testing.do_bench
-(median, p20, p80) per mode:
+(median, p20, p80) per mode, in --rounds interleaved rounds per point (each round times every implementation and
+mode once; a row keeps the round of its median ms and lists every round's in `ms_rounds`: on a shared host whose
+speed drifts, the short points' ratios otherwise depend on which implementation a slow spell hit):
   fwd      o = attn(q, k, v)
   fwd_bwd  attn(q, k, v).backward(dO), eager, the gradients set to None first (no accumulation)
 TFLOP/s from 4·B·H·S²·D forward FLOPs (halved when causal; fwd_bwd 3.5x the forward).
@@ -23,6 +25,7 @@ k/v head when grouped, d 16) and host point that run on the CPU through the Trit
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only the causal points, or (--no-causal) only the others (default: both)")
     p.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=None,
                    help="only the grouped-query points, or (--no-gqa) none of them (default: both)")
+    add_sized(p, "--rounds", full=3, smoke=1, type=positive_int,
+              help="interleaved rounds per point: each times every implementation and mode once; a row keeps the "
+                   "round of its median ms")
     add_sized(p, "--iters", full=200, smoke=3, help="host-bound step: calls timed for host_us", type=positive_int)
     add_sized(p, "--warmup", full=20, smoke=1, help="host-bound step: untimed calls before host_us",
               type=nonnegative_int)
@@ -160,15 +166,16 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
 def measure_point(section: str, point: Point, names: list[str], modes: list[str], args: argparse.Namespace,
                   rec: Recorder, backend: str) -> list[Row]:
-    """Every implementation at one point, the references first; nothing when all its rows are done."""
+    """Every implementation at one point, the references first, in `args.rounds` interleaved rounds (each round
+    times every implementation and mode once); nothing when all its rows are done."""
     import torch
 
-    from cs336_systems.bench.timing import attention_flops, bench, host_times, torch_dtype
+    from cs336_systems.bench.timing import attention_flops, bench, free_memory, host_times, peak_memory_mib, torch_dtype
 
     device = rec.device
     shape = dict(section=section, dtype=point.dtype, batch=point.batch, n_heads=point.n_heads,
                  n_kv_heads=point.n_kv_heads, seq_len=point.seq_len, d_head=point.d_head, is_causal=point.is_causal,
-                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, rounds=args.rounds)
     if section == "host":
         shape.update(iters=args.iters, warmup_iters=args.warmup)
 
@@ -180,39 +187,76 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
         return []
     order = [*(ref for ref in REFERENCES if ref in names), *(name for name in names if name not in REFERENCES)]
     setup = impls.Setup(device, point.dtype, point.seq_len, backend, grouped=point.n_kv_heads < point.n_heads)
+    built: dict[str, object] = {}
+
+    def measure(name: str, mode: str) -> Row:
+        if name not in built:  # built inside the first measurement: Unsupported becomes its row
+            built[name] = impls.build(name, setup)
+        attn = built[name]
+        q = torch.randn(point.batch, point.n_heads, point.seq_len, point.d_head, device=device,
+                        dtype=torch_dtype(point.dtype), requires_grad=True)
+        k, v = (torch.randn(point.batch, point.n_kv_heads, point.seq_len, point.d_head, device=device,
+                            dtype=q.dtype, requires_grad=True) for _ in range(2))
+        if mode == "fwd":
+            call = lambda: attn(q, k, v, point.is_causal)  # noqa: E731
+        else:
+            dout = torch.randn_like(q)
+
+            def call():
+                q.grad = k.grad = v.grad = None
+                attn(q, k, v, point.is_causal).backward(dout)
+
+        result = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        if section == "host":
+            result.update(host_times(call, device, iters=args.iters, warmup=args.warmup))
+        return {**result, "peak_mem_mb": peak_memory_mib(device)}
+
+    # rounds: a host whose speed drifts (a shared machine) then slows every implementation alike, not only the
+    # one timed during a slow spell; a measurement that fails is not tried again and becomes its row
+    rounds: dict[tuple[str, str], list[Row] | BaseException] = {(name, mode): [] for name in order for mode in modes}
+    for _ in range(args.rounds):
+        for name in order:
+            for mode in modes:
+                done = rounds[name, mode]
+                if isinstance(done, BaseException):
+                    continue
+                free_memory(device)
+                try:
+                    done.append(measure(name, mode))
+                except Exception as e:  # (kept for its row: `rec.measure` records it as OOM, unsupported or error)
+                    rounds[name, mode] = e
+    free_memory(device)
+
     rows: list[Row] = []
+
+    def aggregate(name: str, mode: str) -> Row:
+        done = rounds[name, mode]
+        if isinstance(done, BaseException):
+            raise done
+        result = median_round(done)
+        refs = {REFERENCES[r["impl"]]: r["ms"] for r in rows if r["mode"] == mode and report.ok(r)
+                and r["impl"] in REFERENCES}
+        return {**result, **{field: result["ms"] / refs[field] if field in refs else None
+                             for field in REFERENCES.values()}}
+
     for name in order:
-        built: dict = {}
-
-        def measure(mode: str) -> Row:
-            if "attn" not in built:  # built inside the first measurement: Unsupported becomes its row
-                built["attn"] = impls.build(name, setup)
-            attn = built["attn"]
-            q = torch.randn(point.batch, point.n_heads, point.seq_len, point.d_head, device=device,
-                            dtype=torch_dtype(point.dtype), requires_grad=True)
-            k, v = (torch.randn(point.batch, point.n_kv_heads, point.seq_len, point.d_head, device=device,
-                                dtype=q.dtype, requires_grad=True) for _ in range(2))
-            if mode == "fwd":
-                call = lambda: attn(q, k, v, point.is_causal)  # noqa: E731
-            else:
-                dout = torch.randn_like(q)
-
-                def call():
-                    q.grad = k.grad = v.grad = None
-                    attn(q, k, v, point.is_causal).backward(dout)
-
-            result = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-            if section == "host":
-                result.update(host_times(call, device, iters=args.iters, warmup=args.warmup))
-            done = {REFERENCES[r["impl"]]: r["ms"] for r in rows if r["mode"] == mode and report.ok(r)
-                    and r["impl"] in REFERENCES}
-            return {**result, **{field: result["ms"] / done[field] if field in done else None
-                                 for field in REFERENCES.values()}}
-
         for mode in modes:
             flops = attention_flops(mode, point.batch, point.n_heads, point.seq_len, point.d_head, point.is_causal)
-            rows.append(rec.measure(fields(name, mode), lambda: measure(mode), flops=flops))
+            rows.append(rec.measure(fields(name, mode), lambda: aggregate(name, mode), flops=flops))
     return rows
+
+
+def median_round(results: list[Row]) -> Row:
+    """One row's metrics from its rounds: the round of the median `ms` (the lower middle one of an even count), with
+    every round's ms (`ms_rounds`), the median host time where measured, and the largest peak memory."""
+    ordered = sorted(results, key=lambda r: r["ms"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["ms_rounds"] = [r["ms"] for r in results]
+    if "host_us" in row:
+        row["host_us"] = statistics.median(r["host_us"] for r in results)
+    peaks = [r["peak_mem_mb"] for r in results if r.get("peak_mem_mb") is not None]
+    row["peak_mem_mb"] = max(peaks) if peaks else None
+    return row
 
 
 # ---------------------------------------------------------------------------------------------

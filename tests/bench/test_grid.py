@@ -138,3 +138,32 @@ def test_largest_inputs_are_those_of_the_sections_run():
     """q, k, v and dO of the largest point measured (the device only bounds them)."""
     assert grid.largest_inputs(parsed("--sections", "host"), None)[0] == 4 * 16 * 1024 * 64 * 2
     assert grid.largest_inputs(parsed("--d", "128"), None)[0] == 4 * 16 * 16384 * 128 * 2
+
+
+def test_a_row_keeps_the_round_of_its_median_time():
+    """The round of the median ms (the lower middle one of an even count), every round's ms, the median host time,
+    the largest peak memory."""
+    rounds = [dict(ms=3.0, ms_p20=2.9, host_us=30.0, peak_mem_mb=5.0), dict(ms=1.0, ms_p20=0.9, host_us=10.0,
+                                                                           peak_mem_mb=7.0),
+              dict(ms=2.0, ms_p20=1.9, host_us=50.0, peak_mem_mb=6.0)]
+    row = grid.median_round(rounds)
+    assert row == dict(ms=2.0, ms_p20=1.9, host_us=30.0, peak_mem_mb=7.0, ms_rounds=[3.0, 1.0, 2.0])
+    assert grid.median_round(rounds[:2])["ms"] == 1.0
+    assert grid.median_round([dict(ms=1.0, peak_mem_mb=None)])["peak_mem_mb"] is None
+
+
+def test_rounds_interleave_and_a_failed_measurement_is_its_row(tmp_path):
+    """Each round times every implementation once: an ok row lists its rounds' times and keeps the median one; an
+    implementation that cannot run the point (cuDNN on the CPU) gives its row once, and the ratios against it
+    are None."""
+    assert run_cli("grid", "--smoke", "--sections", "grid", "--batch-seq", "1x64", "--no-causal", "--modes", "fwd",
+                   "--impls", "flash_triton", "sdpa_cudnn", "sdpa_math", "--rounds", "3", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "grid")
+    assert sorted(r["impl"] for r in rows) == ["flash_triton", "sdpa_cudnn", "sdpa_math"]
+    assert all(r["rounds"] == 3 for r in rows)
+    cudnn = next(r for r in rows if r["impl"] == "sdpa_cudnn")
+    assert cudnn["status"] != "ok" and "ms_rounds" not in cudnn
+    for r in rows:
+        if r["impl"] != "sdpa_cudnn":
+            assert r["status"] == "ok" and len(r["ms_rounds"]) == 3
+            assert r["ms"] == sorted(r["ms_rounds"])[1] and r["x_cudnn"] is None
