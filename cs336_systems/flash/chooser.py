@@ -28,7 +28,7 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   a sliding window, deterministic False otherwise   | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
-  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from gluon_bwd_min_work where taken
+  otherwise: the two-pass design (bitwise repeatable), its dK/dV pass in Gluon from gluon_kv_min_work where taken
   (`BackwardChoice.gluon_kv`), either pass split along its reduction on short grids (`dq_chunk`, `kv_chunk`).
 
 Under torch.compile a forward (a backward) that runs Triton unsplit (the two-pass design), with no Gluon kernel, on
