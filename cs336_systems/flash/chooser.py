@@ -267,17 +267,18 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
         if opts.deterministic is not True and wanted and call.tma and call.gluon_single:
             return BackwardChoice(Backward.GLUON_SINGLE)
         return BackwardChoice(Backward.TRITON_TWO_PASS)
-    gluon = (_gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)
-             and opts.skip_masked_tiles and call.tma)
-    if opts.deterministic is not True and gluon and call.gluon_single:
+    def gluon_from(min_work: int) -> bool:  # a Gluon backward wanted by its threshold, the options and the layout
+        return (_gluon_wanted(opts.gluon_kv, call, min_work, call.visible_work)
+                and opts.skip_masked_tiles and call.tma)
+
+    if opts.deterministic is not True and gluon_from(gluon_bwd_min_work(call.d)) and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
     if opts.deterministic is False:
         return BackwardChoice(Backward.TRITON_SINGLE)
     dq_chunk = _split(opts, call, call.n_q, call.n_k)
     # (the dK/dV pass counted per query head: a GQA program runs its group's heads one after another)
     kv_chunk = _split(opts, call, call.n_k, call.n_q)
-    gluon_kv = (_gluon_wanted(opts.gluon_kv, call, gluon_kv_min_work(call.d), call.visible_work)
-                and opts.skip_masked_tiles and call.tma and not kv_chunk and call.gluon_kv
+    gluon_kv = (gluon_from(gluon_kv_min_work(call.d)) and not kv_chunk and call.gluon_kv
                 and not call.window)  # (it has no window)
     return BackwardChoice(Backward.TRITON_TWO_PASS, gluon_kv, dq_chunk, kv_chunk)
 
