@@ -64,9 +64,8 @@ from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 # 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where its extra
 # host time shows (causal 16 × 1024 d 64: 0.90 against 0.66 ms)). In the band below the single pass's, the two-pass
 # design with its dK/dV pass in Gluon (no fp32 dQ accumulator to clear, fill and cast) beat the Triton two-pass at
-# every point measured and the single pass at most (H100, settled calls, runs/ab/backward_designs_6414799.jsonl:
-# causal 32 × 512 d 128 1.35 → 1.06× cuDNN, causal 16 × 1024 d 64 1.23 → 1.12×); a band lower, the Triton two-pass
-# won at most points.
+# every point measured and the single pass at most (H100, settled calls, runs/ab/backward_designs_6414799.jsonl);
+# a band lower, the Triton two-pass won at most points.
 GLUON_FWD_MIN_WORK = 1 << 27
 GLUON_BWD_MIN_WORK = {64: 1 << 28, 128: 1 << 27}  # per Gluon head dim (d <= 64 runs the d-64 kernels)
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
