@@ -290,7 +290,8 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, 
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(chooser, "GLUON_FWD_MIN_WORK", min_work)
     monkeypatch.setattr(launch.gluon, "fwd_supported", lambda q4, k4, v4, config=None: True)
-    monkeypatch.setattr(launch.gluon, "forward", lambda *a, **kw: calls.append(("gluon", a[7])))
+    monkeypatch.setattr(launch.gluon, "forward_launch", lambda is_causal, config, cached, band: (
+        lambda tensors, scale: calls.append(("gluon", config))))
     monkeypatch.setitem(launch._TILED, "fwd", (triton, triton))
     q = torch.zeros(1, 2, 128, 64)
     launch.flash_forward_triton(q, q, q, True, chooser.KernelOptions(**opts))
@@ -330,8 +331,8 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
     monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, 64, min_work)
     monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
-    monkeypatch.setattr(launch.gluon, "kv_pass", lambda *a, **kw: calls.append(
-        ("gluon", kw["qrows"], a[10], kw["dq_acc"] is not None)))
+    monkeypatch.setattr(launch.gluon, "kv_launch", lambda is_causal, config, cached, qrows, band: (
+        lambda tensors, scale: calls.append(("gluon", qrows, config, tensors[8] is not None))))
     monkeypatch.setitem(launch._TILED, "kv", (triton, triton))
     monkeypatch.setitem(launch._TILED, "dq", (nothing, nothing))
     for launcher in ("_prep_launch", "_cast_launch"):

@@ -265,17 +265,17 @@ def test_flash_window_gluon_kernels_meet_2x_rule(monkeypatch, window, is_causal,
     from cs336_systems.flash_triton import flash_attention
 
     bands = []
-    for name in ("forward", "kv_pass"):
-        def spy(*args, band=None, _launch=getattr(launch.gluon, name), _name=name, **keywords):
+    for name in ("forward_launch", "kv_launch"):
+        def spy(*args, band=None, _plan=getattr(launch.gluon, name), _name=name, **keywords):
             bands.append((_name, band))
-            return _launch(*args, band=band, **keywords)
+            return _plan(*args, band=band, **keywords)
 
         monkeypatch.setattr(launch.gluon, name, spy)
     q, do = (randn_cuda(1, 16, 8192, d_head, seed=94 + i) for i in range(2))
     k, v = (randn_cuda(1, 4, 8192, d_head, seed=96 + i) for i in range(2))
     ours = run(lambda *a: flash_attention(*a, enable_gqa=True, window=window), q, k, v, do, is_causal)
     band = launch.chooser.band(window, is_causal, 8192, 8192)
-    assert bands == [("forward", band), ("kv_pass", band)]
+    assert bands == [("forward_launch", band), ("kv_launch", band)]
     mask = band_mask(8192, 8192, window, is_causal, "cuda")
     reference = lambda q, k, v, _causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0), reference=reference)

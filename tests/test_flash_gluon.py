@@ -401,12 +401,79 @@ def test_gluon_launch_keys_hold_the_grid():
     for batch in (1, 2):
         x = torch.empty(batch, 2, 256, 64, dtype=torch.bfloat16)
         lse = torch.empty(batch * 2, 256)
-        grid, _, _, fwd_key = flash_gluon._fwd_launch_plan(x, x, x, x, lse, True, 0.125, None)
-        _, kv_grid, _, _, kv_key = flash_gluon._kv_launch_plan(x, x, x, x, lse, lse, x, x, True, 0.125, None, True,
-                                                               torch.empty(batch * 2, 256, 64))
+        _, grid, _, _, fwd_key = flash_gluon._fwd_launch_plan((x, x, x, x, lse), True, None)
+        _, kv_grid, _, _, kv_key = flash_gluon._kv_launch_plan((x, x, x, x, lse, lse, x, x,
+                                                                torch.empty(batch * 2, 256, 64)), True, None, True)
         assert grid[0] == kv_grid[0] == batch * 2
         keys[batch] = (fwd_key, kv_key)
     assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
+
+
+def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_pass_them(monkeypatch):
+    """After a signature's first launch, each TMA descriptor comes from a cache by its tensor's address: the same
+    addresses build none, a new one builds its own, a misaligned L is copied and built at every launch (never
+    cached), and an argument's cache starts over past DESCRIPTORS_PER_ARGUMENT. Each launch passes the C launch
+    what Triton's own wrapper (`wrap_handle_tensordesc`, around the same launch) passes it for TensorDescriptor
+    arguments. CPU placeholders, a fake driver and descriptor builder: nothing is launched."""
+    import types
+
+    import triton
+    import triton.backends.nvidia.driver as nvidia_driver
+
+    from cs336_systems.flash import gluon as flash_gluon
+
+    built = []
+
+    def make_tensordesc_arg(desc, meta):  # (Triton's fills a CUtensorMap: here a tag of what it would encode)
+        built.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), tuple(desc.block_shape), meta["i"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", make_tensordesc_arg)
+    calls = []
+    x = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
+    tensors = (x, torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), torch.empty(2, 256),
+               torch.empty(2, 256), torch.empty_like(x), torch.empty_like(x), torch.empty(2, 256, 64))
+    kernel, grid, template, constexprs, _ = flash_gluon._kv_launch_plan(tensors, True, None)
+    tmas = [a for a in template if isinstance(a, flash_gluon._Tma)]
+    params = [*template, *constexprs.values()]
+    signature = {i: "tensordesc<bf16[1, 1]>" if isinstance(a, flash_gluon._Tma) else "i32"
+                 for i, a in enumerate(params)}
+    metas = [{"i": i} for i in range(len(tmas))]
+    launch = nvidia_driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, metas)
+    run = types.SimpleNamespace(launch=launch, num_ctas=1, global_scratch_size=0, profile_scratch_size=0,
+                                launch_cooperative_grid=False, launch_pdl=False)
+    compiled = type("Compiled", (), {"__getitem__": lambda self, grid: None, "run": run, "function": "f",
+                                     "packed_metadata": "m",
+                                     "metadata": types.SimpleNamespace(tensordesc_meta=metas)})()
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda device: 7))
+    cached = flash_gluon._Compiled(compiled, grid, template, constexprs, 0)
+    assert cached.steps is not None, "Triton's launcher should come apart"
+
+    def wrapper_args(tensors, scale=0.5):  # what the wrapper passes on, from TensorDescriptors
+        launch(*range(13), *flash_gluon._arguments(template, tensors, scale), *constexprs.values())
+        return calls.pop()[13:]
+
+    cached(tensors, 0.5)
+    assert len(built) == len(tmas)
+    assert calls.pop()[13:] == wrapper_args(tensors)
+    built.clear()
+    cached(tensors, 0.5)
+    assert built == [] and calls.pop()[13:] == wrapper_args(tensors)
+    built.clear()
+    moved = (torch.empty_like(x), *tensors[1:])
+    cached(moved, 0.25)
+    assert built == [moved[0].data_ptr()] and calls.pop()[13:] == wrapper_args(moved, 0.25)
+    built.clear()
+    misaligned = torch.empty(2 * 256 + 1)[1:].view(2, 256)  # (4 bytes past an aligned base)
+    odd = (*tensors[:4], misaligned, *tensors[5:])
+    for _ in range(2):  # copied, built and launched each time; its copy's descriptor is never reused
+        cached(odd, 0.5)
+        assert len(built) == 1 and built.pop() % 16 == 0 and calls.pop()
+    assert not any(misaligned.data_ptr() in cache for _, _, cache in cached.steps if cache is not None)
+    monkeypatch.setattr(flash_gluon, "DESCRIPTORS_PER_ARGUMENT", 2)
+    for _ in range(3):
+        cached((torch.empty_like(x), *tensors[1:]), 0.5)
+    assert all(len(cache) <= 2 for _, _, cache in cached.steps if cache is not None)
 
 
 @pytest.mark.gpu

@@ -35,9 +35,11 @@ class CLaunch:
         self.scratch_size, self.current_stream = scratch_size, current_stream
 
     @classmethod
-    def of(cls, compiled, grid: tuple[int, ...]) -> CLaunch | None:
+    def of(cls, compiled, grid: tuple[int, ...], raw: bool = False) -> CLaunch | None:
         """The C launch of `compiled` (a kernel Triton compiled) at `grid` (one to three dims, as Triton takes it;
-        missing dims are 1), or None (see the module)."""
+        missing dims are 1), or None (see the module). raw: the launch function beneath Triton's wrapper for kernels
+        with host-side TensorDescriptor arguments (`unwrapped`), which takes each descriptor as Triton's
+        `make_tensordesc_arg` expands it; None where there is no such wrapper to take apart."""
         if not 1 <= len(grid) <= 3:
             raise ValueError(f"a launch grid has one to three dims, got {grid!r}")
         launcher = compiled.run
@@ -45,9 +47,12 @@ class CLaunch:
                   "launch_pdl")
         if not all(hasattr(launcher, p) for p in pieces) or launcher.profile_scratch_size:
             return None
+        launch_fn = unwrapped(launcher.launch) if raw else launcher.launch
+        if launch_fn is None:
+            return None
         compiled[grid]  # loads the kernel: compiled.function
         gx, gy, gz = (*grid, 1, 1)[:3]
-        return cls(launcher.launch, (gx, gy, gz), compiled.function, launcher.launch_cooperative_grid,
+        return cls(launch_fn, (gx, gy, gz), compiled.function, launcher.launch_cooperative_grid,
                    launcher.launch_pdl, compiled.packed_metadata,
                    gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size,
                    triton.runtime.driver.active.get_current_stream)
@@ -65,3 +70,13 @@ class CLaunch:
         # launch metadata, enter and exit hooks, then the kernel's arguments
         self.launch_fn(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, buffer, None, self.metadata,
                        None, None, None, *args)
+
+
+def unwrapped(launch_fn):
+    """The C launch function that Triton's wrapper for kernels with host-side TensorDescriptor arguments
+    (`wrap_handle_tensordesc`, which expands each descriptor into a TMA descriptor, its shape and strides at every
+    launch) closes over as `launcher`; None where launch_fn is not that wrapper."""
+    code, cells = getattr(launch_fn, "__code__", None), getattr(launch_fn, "__closure__", None)
+    if code is None or not cells or "launcher" not in code.co_freevars:
+        return None
+    return cells[code.co_freevars.index("launcher")].cell_contents

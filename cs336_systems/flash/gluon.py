@@ -52,7 +52,9 @@ last group large enough not to leave its longest programs alone at the end. With
 before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
 the backward's tiles wait on memory. The forward keeps its order: its K and V rows fit either way.
 
-Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`).
+Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`), their TMA
+descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
+per signature (`forward_launch`, `kv_launch`), which builds the arguments from a template fixed at its first call.
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
 sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors, sequence lengths that divide
 into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass only, on
@@ -76,6 +78,7 @@ kernel), then the configs, `supported` / `fwd_supported` and the host launchers 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from triton._C.libtriton import ir
@@ -1276,28 +1279,68 @@ def _row_layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # (built once: ~3.5 µs each)
 
 
-def _row_desc(t: torch.Tensor, cols: int) -> TensorDescriptor:
-    """A contiguous fp32 (B·H, Nq) tensor (L, delta) as rows of `cols` values, one row per query tile (TMA needs a
-    16-byte-aligned base: a misaligned one is copied)."""
-    if t.data_ptr() % 16:
-        t = t.clone()
-    return _row_boxes(t.view(-1, cols), cols)
+class _Tma:
+    """An argument template's TMA descriptor: call tensor `index` as the 2-D view `shape` (rows of contiguous values)
+    in boxes of `block`, laid out in shared memory as `layout`. `rows`: an fp32 L or delta, copied where its base is
+    not 16-byte aligned (TMA's condition): that copy's descriptor serves one launch only."""
+
+    __slots__ = ("index", "shape", "block", "layout", "rows")
+
+    def __init__(self, index: int, shape: tuple[int, int], block: tuple[int, int], layout, rows: bool = False):
+        self.index, self.shape, self.block, self.layout, self.rows = index, shape, block, layout, rows
+
+    def descriptor(self, t: torch.Tensor) -> TensorDescriptor:
+        if self.rows and t.data_ptr() % 16:
+            t = t.clone()
+        flat = t.view(self.shape)
+        return TensorDescriptor(flat, list(self.shape), list(flat.stride()), list(self.block), self.layout)
 
 
-def _row_boxes(rows: torch.Tensor, cols: int) -> TensorDescriptor:
-    """An fp32 2-D tensor (L or delta: `_row_desc`'s rows, or a packed call's as `packed_rows` lays them out) as boxes
-    of one row × `cols` values."""
-    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, cols], _row_layout())
+class _Arg:
+    """An argument template's plain tensor argument: call tensor `index` itself."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
-def _tiles_desc(flat: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
-    """A 2-D view as boxes of `rows` rows × d columns, in the shared layout the kernels use for such a tile."""
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], _smem_layout(rows, d, flat.dtype))
+_SCALE = object()  # the argument template's place for the call's softmax scale (a float no plan fixes)
 
 
-def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A (·, D) tensor as its (rows, D) view, tiles of `rows` rows."""
-    return _tiles_desc(t.view(-1, t.shape[-1]), rows, t.shape[-1])
+def _tiles(tensors: tuple, index: int, rows: int) -> _Tma:
+    """Call tensor `index` (·, D) as its (rows, D) view, tiles of `rows` rows."""
+    t = tensors[index]
+    d = t.shape[-1]
+    return _Tma(index, (t.numel() // d, d), (rows, d), _smem_layout(rows, d, t.dtype))
+
+
+def _row_tiles(tensors: tuple, index: int, cols: int) -> _Tma:
+    """A contiguous fp32 (B·H, Nq) call tensor (L, delta) as rows of `cols` values, one row per query tile."""
+    t = tensors[index]
+    return _Tma(index, (t.numel() // cols, cols), (1, cols), _row_layout(), rows=True)
+
+
+def _row_boxes(tensors: tuple, index: int, cols: int) -> _Tma:
+    """An fp32 2-D call tensor (a packed call's L or delta, as `packed_rows` lays them out) in boxes of one row ×
+    `cols` values."""
+    rows = tensors[index]
+    return _Tma(index, tuple(rows.shape), (1, cols), _row_layout())
+
+
+def _packed_tiles(tensors: tuple, index: int, rows: int) -> _Tma:
+    """A packed (total, heads, D) call tensor as its (total, heads·D) view, tiles of `rows` rows and one head's
+    columns."""
+    t = tensors[index]
+    total, heads, d = t.shape
+    return _Tma(index, (total, heads * d), (rows, d), _smem_layout(rows, d, t.dtype))
+
+
+def _arguments(template: tuple, tensors: tuple, scale: float) -> tuple:
+    """A launch's positional arguments: the template filled with the call's tensors (and their descriptors) and
+    scale."""
+    return tuple(a.descriptor(tensors[a.index]) if a.__class__ is _Tma else tensors[a.index] if a.__class__ is _Arg
+                 else scale if a is _SCALE else a for a in template)
 
 
 def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
@@ -1309,31 +1352,36 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
     lse = torch.empty(heads, seq, dtype=torch.float32)
     if name == "flash_fwd_gluon":
         config = FWD_CONFIGS[d]
-        _, args, constexprs, _ = _fwd_launch_plan(x, x, x, x, lse, causal, d ** -0.5, config)
+        tensors = (x, x, x, x, lse)
+        _, _, template, constexprs, _ = _fwd_launch_plan(tensors, causal, config)
+        args = _arguments(template, tensors, d ** -0.5)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
     if name == "flash_fwd_packed_gluon":  # (two sequences of seq / 2 tokens)
         config = FWD_CONFIGS[d]
         packed = torch.empty(seq, heads, d, dtype=dtype)
         cu_seqlens = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
-        _, args, constexprs, _ = _packed_fwd_launch_plan(packed, packed, packed, packed, lse, cu_seqlens, cu_seqlens,
-                                                         causal, d ** -0.5, None)
+        _, _, template, constexprs, _, tensors = _packed_fwd_launch_plan(packed, packed, packed, packed, lse,
+                                                                         cu_seqlens, cu_seqlens, causal, None)
+        args = _arguments(template, tensors, d ** -0.5)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config
     if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon",
                 "flash_bwd_single_pass_keys_gluon"):
         qrows = name in ("flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon")
         dq_acc = torch.empty(heads, seq, d) if name.startswith("flash_bwd_single_pass") else None
         config = GLUON_KERNELS[name][d]
-        kernel, _, args, constexprs, _ = _kv_launch_plan(x, x, x, x, lse, lse, x, x, causal, d ** -0.5, config, qrows,
-                                                         dq_acc)
+        tensors = (x, x, x, x, lse, lse, x, x, dq_acc)
+        kernel, _, template, constexprs, _ = _kv_launch_plan(tensors, causal, config, qrows)
+        args = _arguments(template, tensors, d ** -0.5)
         workers = 2 if kernel is flash_bwd_single_keys_gluon_kernel else 0  # its loader and dQ warps
         return kernel, args, constexprs, constexprs["num_warps"] + workers, config
     if name == "flash_bwd_single_pass_keys_packed_gluon":  # (two sequences of seq / 2 tokens)
         config = SINGLE_PASS_KEYS_CONFIGS[d]
         packed = torch.empty(seq, heads, d, dtype=dtype)
         cu_seqlens = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
-        _, args, constexprs, _ = _packed_launch_plan(packed, packed, packed, packed, lse, lse, packed, packed,
-                                                     torch.empty(heads, seq, d), cu_seqlens, cu_seqlens, causal,
-                                                     d ** -0.5, None)
+        _, _, template, constexprs, _, tensors = _packed_launch_plan(
+            packed, packed, packed, packed, lse, lse, packed, packed, torch.empty(heads, seq, d), cu_seqlens,
+            cu_seqlens, causal, None)
+        args = _arguments(template, tensors, d ** -0.5)
         return flash_bwd_single_keys_gluon_kernel, args, constexprs, constexprs["num_warps"] + 2, config
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
@@ -1346,17 +1394,80 @@ GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_packed_gluon": FWD_C
                  "flash_bwd_single_pass_keys_packed_gluon": SINGLE_PASS_KEYS_CONFIGS}
 
 
-# Compiled kernels per launch signature (kernel, grid, dtype, head dim, config, causal, the integer arguments,
-# the alignment of the pointer arguments): (its C launch or None, the compiled kernel). Later launches skip
-# the JIT's argument binder and Triton's per-launch Python and call the C launch (`c_launch.CLaunch`),
-# whose wrapper turns the host-side TensorDescriptors into TMA descriptors; where it is None, the compiled
-# kernel's runner. The signature must hold everything the compiled code bakes in: a kernel compiled for
-# another head dim, called with these descriptors, reads tiles of the wrong size.
-_COMPILED: dict[tuple, tuple[CLaunch | None, object]] = {}
+# Compiled kernels per launch signature (kernel, device, grid, dtype, head dim, config, causal, the integer arguments,
+# the alignment of the pointer arguments). The signature must hold everything the compiled code bakes in: a kernel
+# compiled for another head dim, called with these descriptors, reads tiles of the wrong size.
+_COMPILED: dict[tuple, _Compiled] = {}
+# TMA descriptors a compiled launch caches per argument (one per address) before that argument's cache starts over
+DESCRIPTORS_PER_ARGUMENT = 64
 
 
 def launch_cache_size() -> int:
     return len(_COMPILED)
+
+
+class _Compiled:
+    """A compiled Gluon kernel's launches after its first at one signature: the argument template filled with a
+    call's tensors and scale, then the kernel's C launch (`c_launch.CLaunch`), skipping the JIT's argument binder
+    and Triton's per-launch Python. Where Triton's launcher comes apart (`CLaunch.of(raw=True)`), each TMA descriptor
+    comes from a cache by its tensor's address: the signature fixes the rest of what it encodes (shape, strides,
+    box), a training loop's caching allocator hands its steps the same addresses again, and the descriptor is a
+    value (128 bytes the launch copies) that holds no memory. Elsewhere Triton's wrapper builds them at every launch
+    (or, without a C launch, the compiled kernel's runner does)."""
+
+    __slots__ = ("run", "grid", "template", "tail", "device", "c_launch", "steps")
+
+    def __init__(self, run, grid: tuple, template: tuple, constexprs: dict, device: int):
+        self.run, self.grid, self.template, self.device = run, grid, template, device
+        self.tail = tuple(constexprs.values())  # (the C launch takes the constexprs too, in the kernel's order)
+        metas = getattr(run.metadata, "tensordesc_meta", None)
+        tmas = [a for a in template if a.__class__ is _Tma]
+        raw = None
+        if metas and len(metas) == len(tmas) and None not in metas:
+            raw = CLaunch.of(run, grid, raw=True)
+        self.c_launch = raw or CLaunch.of(run, grid)
+        self.steps = None  # (kind, item, cache) per argument, where descriptors are cached
+        if raw is not None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg  # (a CUDA module: loaded on a CUDA call)
+
+            metas = iter(metas)
+            self.steps = tuple(
+                (3, (a, make_tensordesc_arg, next(metas)), {}) if a.__class__ is _Tma
+                else (1, a.index, None) if a.__class__ is _Arg else (2, None, None) if a is _SCALE else (0, a, None)
+                for a in template)
+
+    def __call__(self, tensors: tuple, scale: float) -> None:
+        if self.steps is None:
+            args = _arguments(self.template, tensors, scale)
+            if self.c_launch is None:
+                self.run[self.grid](*args, *self.tail)
+            else:
+                self.c_launch(self.device, *args, *self.tail)
+            return
+        args, made = [], []
+        for kind, item, cache in self.steps:
+            if kind == 0:
+                args.append(item)
+            elif kind == 1:
+                args.append(tensors[item])
+            elif kind == 2:
+                args.append(scale)
+            else:
+                tma, expand, meta = item
+                t = tensors[tma.index]
+                address = t.data_ptr()
+                expanded = cache.get(address)
+                if expanded is None:
+                    descriptor = tma.descriptor(t)
+                    expanded = expand(descriptor, meta)  # [the TMA descriptor, *shape, *strides], as Triton's wrapper
+                    if tma.rows and address % 16:
+                        made.append(descriptor)  # (a copy's: it lives until the launch, and is not cached)
+                    else:
+                        if len(cache) >= DESCRIPTORS_PER_ARGUMENT:
+                            cache.clear()
+                        cache[address] = expanded
+                args.extend(expanded)
+        self.c_launch(self.device, *args, *self.tail)
 
 
 class _Ahead:
@@ -1371,29 +1482,55 @@ class _Ahead:
         background.compile_ahead(self.kernel, args, constexprs)
 
 
-def _launch(kernel, grid: tuple, args: tuple, constexprs: dict, key: tuple, cached: bool) -> None:
-    """Launch through the JIT the first time a signature is seen (or every time if not cached), then
-    through the compiled kernel's C launch."""
-    entry = _COMPILED.get(key) if cached else None
-    if entry is None:
-        background.wait_for(_Ahead(kernel), args, constexprs)  # (compiled ahead: found in the JIT's cache)
-        compiled = kernel[grid](*args, **constexprs)
-        if cached:
-            _COMPILED[key] = (CLaunch.of(compiled, grid), compiled)
-        return
-    c_launch, compiled = entry
-    if c_launch is None:
-        compiled[grid](*args, *constexprs.values())
-    else:
-        c_launch(key[1], *args, *constexprs.values())
+def _launch(kernel, grid: tuple, template: tuple, constexprs: dict, key: tuple, tensors: tuple, scale: float,
+            cached: bool) -> _Compiled | None:
+    """Launch through the JIT the first time a signature is seen (or every time if not cached), then through its
+    `_Compiled`; returns that (None uncached)."""
+    compiled = _COMPILED.get(key) if cached else None
+    if compiled is not None:
+        compiled(tensors, scale)
+        return compiled
+    args = _arguments(template, tensors, scale)
+    background.wait_for(_Ahead(kernel), args, constexprs)  # (compiled ahead: found in the JIT's cache)
+    run = kernel[grid](*args, **constexprs)
+    if not cached:
+        return None
+    compiled = _COMPILED[key] = _Compiled(run, grid, template, constexprs, key[1])
+    return compiled
 
 
-def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config,
-                    qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None,
-                    band: tuple[int, int] | None = None):
-    """(kernel, grid, arguments, constexprs, cache key) of a dK/dV-pass launch (with dq_acc: the single pass);
-    groups: `_grouped_program`'s (HEAD_GROUP, TAIL) (default `kv_head_groups`'); band: a window's
-    (`chooser.band`), which only the keys-on-rows single pass takes, on self-attention."""
+class Launch:
+    """One Gluon kernel's launches at one call signature, which the caller's plan fixes (each tensor's shape, strides,
+    dtype and alignment; the device; the options): planned once, from the first call's tensors (`plan(tensors)`:
+    kernel, grid, argument template, constexprs, cache key), then each call is `_launch`'s, and from the second on
+    its `_Compiled` alone. cached=False (launch hooks installed, which only Triton's own launch path calls) launches
+    through the JIT every time."""
+
+    __slots__ = ("plan", "cached", "planned", "compiled")
+
+    def __init__(self, plan: Callable[[tuple], tuple], cached: bool):
+        self.plan, self.cached = plan, cached
+        self.planned: tuple | None = None
+        self.compiled: _Compiled | None = None  # (each set in one store: threads may share a plan)
+
+    def __call__(self, tensors: tuple, scale: float) -> None:
+        compiled = self.compiled
+        if compiled is not None:
+            compiled(tensors, scale)
+            return
+        planned = self.planned
+        if planned is None:
+            planned = self.planned = self.plan(tensors)
+        self.compiled = _launch(*planned, tensors, scale, self.cached)
+
+
+def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False,
+                    groups: tuple[int, int] | None = None, band: tuple[int, int] | None = None):
+    """(kernel, grid, argument template, constexprs, cache key) of a dK/dV-pass launch on the call tensors (q4, k4,
+    v4, do4, lse, delta, dk4, dv4, dq_acc) (with dq_acc, not None: the single pass); groups: `_grouped_program`'s
+    (HEAD_GROUP, TAIL) (default `kv_head_groups`'); band: a window's (`chooser.band`), which only the keys-on-rows
+    single pass takes, on self-attention."""
+    q4, k4, _, _, lse, delta, _, _, dq_acc = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
@@ -1414,30 +1551,30 @@ def _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scal
     if single and not qrows:
         constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False)
     grid = (batch * kv_heads, n_k // block_n, 1)
-    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(do4, block_m),
-            _desc(dk4, block_n), _desc(dv4, block_n))
+    template = (_tiles(tensors, 0, block_m), _tiles(tensors, 1, block_n), _tiles(tensors, 2, block_n),
+                _tiles(tensors, 3, block_m), _tiles(tensors, 6, block_n), _tiles(tensors, 7, block_n))
     if single and not qrows:  # L and delta through the loader warp's TMA, a row per query tile
-        args += (_row_desc(lse, block_m), _row_desc(delta, block_m))
+        template += (_row_tiles(tensors, 4, block_m), _row_tiles(tensors, 5, block_m))
     else:
-        args += (lse, delta)
+        template += (_Arg(4), _Arg(5))
     # the fp32 dQ accumulator of the single passes (reduced a query tile at a time); the two-pass queries-on-rows
     # kernel takes dK's descriptor as an untouched stand-in
     if qrows or single:
-        args += (args[4] if dq_acc is None else _desc(dq_acc.view(batch, heads, n_q, d), block_m), )
+        template += (template[4] if dq_acc is None else _tiles(tensors, 8, block_m), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single
     constexprs["num_warps"] = warps
     group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
-    args += (heads, heads // kv_heads, n_q, n_k, scale, group, tail)
+    template += (heads, heads // kv_heads, n_q, n_k, _SCALE, group, tail)
     if single and not qrows:  # (then the packed call's offsets and slots: L stands in, unread)
-        args += (*(band or (0, 0)), lse, lse, lse, 0)
+        template += (*(band or (0, 0)), _Arg(4), _Arg(4), _Arg(4), 0)
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
            dq_acc is not None, group, tail, band)
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
-    return kernel, grid, args, constexprs, key
+    return kernel, grid, template, constexprs, key
 
 
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
@@ -1450,19 +1587,26 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
     DQ_ATOMIC). groups: the heads run at once (`_grouped_program`'s (HEAD_GROUP, TAIL); default
-    `kv_head_groups`'). band: a sliding window's (`chooser.band`; the keys-on-rows single pass, Nq = Nk)."""
-    kernel, grid, args, constexprs, key = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale,
-                                                          config, qrows, dq_acc, groups, band)
-    _launch(kernel, grid, args, constexprs, key, cached)
+    `kv_head_groups`'). band: a sliding window's (`chooser.band`; the keys-on-rows single pass, Nq = Nk).
+    (A caller that plans its calls holds a `kv_launch` instead, which plans the launch once.)"""
+    tensors = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc)
+    _launch(*_kv_launch_plan(tensors, is_causal, config, qrows, groups, band), tensors, scale, cached)
+
+
+def kv_launch(is_causal: bool, config=None, cached: bool = True, qrows: bool = False,
+              band: tuple[int, int] | None = None) -> Launch:
+    """`kv_pass`'s launches at one call signature: called with the tensors (q4, k4, v4, do4, lse, delta, dk4, dv4,
+    dq_acc or None) and the scale."""
+    return Launch(lambda tensors: _kv_launch_plan(tensors, is_causal, config, qrows, band=band), cached)
 
 
 def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
                   qrows: bool = False, dq_acc=None, band: tuple[int, int] | None = None) -> tuple:
     """What `kv_pass` with these arguments would launch, as `background.submit` compiles it: (launcher, arguments,
     constexprs)."""
-    kernel, _, args, constexprs, _ = _kv_launch_plan(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal, scale, config,
-                                                     qrows, dq_acc, band=band)
-    return _Ahead(kernel), args, constexprs
+    tensors = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc)
+    kernel, _, template, constexprs, _ = _kv_launch_plan(tensors, is_causal, config, qrows, band=band)
+    return _Ahead(kernel), _arguments(template, tensors, scale), constexprs
 
 
 # A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
@@ -1556,14 +1700,10 @@ def packed_query_tiles(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, t
     return _longest_first((seq, tile), live, work)
 
 
-def _packed_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A packed (total, heads, D) tensor as its (total, heads·D) view, tiles of `rows` rows and one head's columns."""
-    return _tiles_desc(t.view(t.shape[0], -1), rows, t.shape[-1])
-
-
 def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
-                        scale: float, band: tuple[int, int] | None):
-    """(grid, arguments, constexprs, cache key) of a `packed_kv_pass` launch."""
+                        band: tuple[int, int] | None):
+    """(kernel, grid, argument template, constexprs, cache key, call tensors) of a `packed_kv_pass` launch: the
+    call tensors add the slots and the L and delta rows, made on the device."""
     total_q, heads, d = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
@@ -1573,17 +1713,19 @@ def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, c
     tiles = packed_key_tiles(cu_seqlens_q, cu_seqlens_k, total_k, block_n, is_causal, starts)
     # (zeros between the sequences: a masked row's delta multiplies a zero P, so it must be finite)
     rows = [t.new_zeros(heads, width).index_copy_(1, columns, t) for t in (lse, delta)]
+    tensors = (q, k, v, do, dk, dv, *rows, dq_acc, cu_seqlens_q, cu_seqlens_k, tiles)
     grid = (kv_heads, tiles.shape[0], 1)
-    args = (_packed_desc(q, block_m), _packed_desc(k, block_n), _packed_desc(v, block_n), _packed_desc(do, block_m),
-            dk, dv, _row_boxes(rows[0], block_m), _row_boxes(rows[1], block_m), _desc(dq_acc, block_m),
-            heads, heads // kv_heads, total_q, total_k, scale, 1, max(1, kv_heads // PACKED_TAIL), left, right,
-            cu_seqlens_q, cu_seqlens_k, tiles, batch)
+    template = (_packed_tiles(tensors, 0, block_m), _packed_tiles(tensors, 1, block_n),
+                _packed_tiles(tensors, 2, block_n), _packed_tiles(tensors, 3, block_m), _Arg(4), _Arg(5),
+                _row_boxes(tensors, 6, block_m), _row_boxes(tensors, 7, block_m), _tiles(tensors, 8, block_m),
+                heads, heads // kv_heads, total_q, total_k, _SCALE, 1, max(1, kv_heads // PACKED_TAIL), left, right,
+                _Arg(9), _Arg(10), _Arg(11), batch)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=warps)
     # (the integers the JIT specializes: the sizes whole; the offsets' alignment)
     key = ("kv_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
            batch, band is not None, cu_seqlens_q.data_ptr() % 16 == 0, cu_seqlens_k.data_ptr() % 16 == 0)
-    return grid, args, constexprs, key
+    return flash_bwd_single_keys_gluon_kernel, grid, template, constexprs, key, tensors
 
 
 def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
@@ -1591,14 +1733,15 @@ def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seq
     """The keys-on-rows single pass over packed sequences, for tensors `packed_supported` accepted: dK·scale, dV into
     dk, dv (packed like k), dQ = dS·K (unscaled) added into the zeroed fp32 (H, total_q, D) dq_acc; lse, delta: fp32
     (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for none."""
-    grid, args, constexprs, key = _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q,
-                                                      cu_seqlens_k, is_causal, scale, band)
-    _launch(flash_bwd_single_keys_gluon_kernel, grid, args, constexprs, key, cached)
+    *planned, tensors = _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k,
+                                            is_causal, band)
+    _launch(*planned, tensors, scale, cached)
 
 
-def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
+def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
                             band: tuple[int, int] | None):
-    """(grid, arguments, constexprs, cache key) of a `packed_forward` launch."""
+    """(kernel, grid, argument template, constexprs, cache key, call tensors) of a `packed_forward` launch: the call
+    tensors add the slots, made on the device."""
     total_q, heads, d = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
@@ -1606,16 +1749,17 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     groups = warps // 4
     left, right = band if band is not None else (UNBOUNDED, 0 if is_causal else UNBOUNDED)
     tiles = packed_query_tiles(cu_seqlens_q, cu_seqlens_k, total_q, groups * block_m, is_causal)
+    tensors = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, tiles)
     grid = (heads, tiles.shape[0], 1)
-    args = (_packed_desc(q, block_m), _packed_desc(k, block_n), _packed_desc(v, block_n), _packed_desc(o, block_m),
-            lse, heads, heads // kv_heads, total_q, total_k, scale, left, right, o, cu_seqlens_q, cu_seqlens_k, tiles,
-            batch)
+    template = (_packed_tiles(tensors, 0, block_m), _packed_tiles(tensors, 1, block_n),
+                _packed_tiles(tensors, 2, block_n), _packed_tiles(tensors, 3, block_m), _Arg(4), heads,
+                heads // kv_heads, total_q, total_k, _SCALE, left, right, _Arg(3), _Arg(5), _Arg(6), _Arg(7), batch)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
     key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
            band is not None, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
            cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
-    return grid, args, constexprs, key
+    return flash_fwd_gluon_kernel, grid, template, constexprs, key, tensors
 
 
 def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
@@ -1623,14 +1767,14 @@ def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
     """The forward over packed sequences, for tensors `packed_fwd_supported` accepted: O into o (packed like q), L
     (natural log) into lse, fp32 (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for
     none."""
-    grid, args, constexprs, key = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal,
-                                                          scale, band)
-    _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)
+    *planned, tensors = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, band)
+    _launch(*planned, tensors, scale, cached)
 
 
-def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
-                     band: tuple[int, int] | None = None):
-    """(grid, arguments, constexprs, cache key) of a forward launch (band: a window's, `chooser.band`)."""
+def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, int] | None = None):
+    """(kernel, grid, argument template, constexprs, cache key) of a forward launch on the call tensors (q4, k4, v4,
+    o4, lse) (band: a window's, `chooser.band`)."""
+    q4, k4, _, _, lse = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
@@ -1643,23 +1787,31 @@ def _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config,
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=False, num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
-    args = (_desc(q4, block_m), _desc(k4, block_n), _desc(v4, block_n), _desc(o4, block_m), lse, heads,
-            heads // kv_heads, n_q, n_k, scale, *(band or (0, 0)), o4, lse, lse, lse, 0)  # (a packed call's five)
+    template = (_tiles(tensors, 0, block_m), _tiles(tensors, 1, block_n), _tiles(tensors, 2, block_n),
+                _tiles(tensors, 3, block_m), _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
+                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0)  # (a packed call's five)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band)  # (the grid, as in `_kv_launch_plan`)
-    return grid, args, constexprs, key
+    return flash_fwd_gluon_kernel, grid, template, constexprs, key
 
 
 def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
             band: tuple[int, int] | None = None) -> None:
     """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
-    tensors `fwd_supported` accepted with the same config. band: a sliding window's (`chooser.band`; Nq = Nk)."""
-    grid, args, constexprs, key = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config, band)
-    _launch(flash_fwd_gluon_kernel, grid, args, constexprs, key, cached)
+    tensors `fwd_supported` accepted with the same config. band: a sliding window's (`chooser.band`; Nq = Nk).
+    (A caller that plans its calls holds a `forward_launch` instead, which plans the launch once.)"""
+    tensors = (q4, k4, v4, o4, lse)
+    _launch(*_fwd_launch_plan(tensors, is_causal, config, band), tensors, scale, cached)
+
+
+def forward_launch(is_causal: bool, config=None, cached: bool = True, band: tuple[int, int] | None = None) -> Launch:
+    """`forward`'s launches at one call signature: called with the tensors (q4, k4, v4, o4, lse) and the scale."""
+    return Launch(lambda tensors: _fwd_launch_plan(tensors, is_causal, config, band), cached)
 
 
 def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None,
                   band: tuple[int, int] | None = None) -> tuple:
     """What `forward` with these arguments would launch, as `background.submit` compiles it."""
-    _, args, constexprs, _ = _fwd_launch_plan(q4, k4, v4, o4, lse, is_causal, scale, config, band)
-    return _Ahead(flash_fwd_gluon_kernel), args, constexprs
+    tensors = (q4, k4, v4, o4, lse)
+    kernel, _, template, constexprs, _ = _fwd_launch_plan(tensors, is_causal, config, band)
+    return _Ahead(kernel), _arguments(template, tensors, scale), constexprs
