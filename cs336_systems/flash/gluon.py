@@ -1415,7 +1415,7 @@ class _Compiled:
     value (128 bytes the launch copies) that holds no memory. Elsewhere Triton's wrapper builds them at every launch
     (or, without a C launch, the compiled kernel's runner does)."""
 
-    __slots__ = ("run", "grid", "template", "tail", "device", "c_launch", "steps")
+    __slots__ = ("run", "grid", "template", "tail", "device", "c_launch", "steps", "expand")
 
     def __init__(self, run, grid: tuple, template: tuple, constexprs: dict, device: int):
         self.run, self.grid, self.template, self.device = run, grid, template, device
@@ -1430,9 +1430,10 @@ class _Compiled:
         if raw is not None:
             from triton.backends.nvidia.driver import make_tensordesc_arg  # (a CUDA module: loaded on a CUDA call)
 
+            self.expand = make_tensordesc_arg
             metas = iter(metas)
             self.steps = tuple(
-                (3, (a, make_tensordesc_arg, next(metas)), {}) if a.__class__ is _Tma
+                (3, (a, next(metas)), {}) if a.__class__ is _Tma
                 else (1, a.index, None) if a.__class__ is _Arg else (2, None, None) if a is _SCALE else (0, a, None)
                 for a in template)
 
@@ -1453,13 +1454,13 @@ class _Compiled:
             elif kind == 2:
                 args.append(scale)
             else:
-                tma, expand, meta = item
+                tma, meta = item
                 t = tensors[tma.index]
                 address = t.data_ptr()
                 expanded = cache.get(address)
                 if expanded is None:
                     descriptor = tma.descriptor(t)
-                    expanded = expand(descriptor, meta)  # [the TMA descriptor, *shape, *strides], as Triton's wrapper
+                    expanded = self.expand(descriptor, meta)  # [TMA descriptor, *shape, *strides], as Triton's wrapper
                     if tma.rows and address % 16:
                         made.append(descriptor)  # (a copy's: it lives until the launch, and is not cached)
                     else:
