@@ -409,6 +409,46 @@ def test_gluon_launch_keys_hold_the_grid():
     assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
 
 
+def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
+    """A launch's cached `_Compiled` keeps the argument template of the first call at its key: every value the
+    template fixes (integers, the window's edges), the grid and the constexprs must then be the same for every call
+    with that key (keys that held only whether a packed call has a window reused the first window's edges). Plans of
+    the dense and packed forward and dK/dV passes over calls that differ in one thing each; CPU placeholders."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    def fixed(plan):
+        _, grid, template, constexprs, key = plan[:5]
+        values = tuple(a for a in template if a.__class__ not in (flash_gluon._Tma, flash_gluon._Arg)
+                       and a is not flash_gluon._SCALE)
+        return key, (grid, values, tuple(constexprs.items()))
+
+    plans = []
+    for d in (64, 128):
+        for is_causal in (True, False):
+            for batch, heads, kv_heads, n in ((1, 4, 4, 512), (2, 4, 4, 512), (1, 8, 2, 512), (1, 4, 4, 1024)):
+                q = torch.empty(batch, heads, n, d, dtype=torch.bfloat16)
+                k = torch.empty(batch, kv_heads, n, d, dtype=torch.bfloat16)
+                lse = torch.empty(batch * heads, n)
+                acc = torch.empty(batch * heads, n, d)
+                for band in (None, (64, 0), (128, 0), (0, 64)):
+                    plans.append(fixed(flash_gluon._fwd_launch_plan((q, k, k, q, lse), is_causal, None, band)))
+                    plans.append(fixed(flash_gluon._kv_launch_plan((q, k, k, q, lse, lse, k, k, acc), is_causal,
+                                                                   None, band=band)))
+                plans.append(fixed(flash_gluon._kv_launch_plan((q, k, k, q, lse, lse, k, k, None), is_causal, None)))
+            for lengths in ((100, 200), (150, 150), (100, 100, 100)):
+                cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+                q, k = torch.empty(300, 4, d, dtype=torch.bfloat16), torch.empty(300, 2, d, dtype=torch.bfloat16)
+                lse = torch.zeros(4, 300)
+                for band in (None, (0, 0), (64, 0), (128, 0), (0, 64)):
+                    plans.append(fixed(flash_gluon._packed_fwd_launch_plan(q, k, k, q, lse, cu, cu, is_causal, band)))
+                    plans.append(fixed(flash_gluon._packed_launch_plan(q, k, k, q, lse, lse, k, k,
+                                                                      torch.empty(4, 300, d), cu, cu, is_causal, band)))
+    by_key = {}
+    for key, values in plans:
+        assert by_key.setdefault(key, values) == values, f"two templates at one launch key {key}"
+    assert len(by_key) > 100
+
+
 def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_pass_them(monkeypatch):
     """After a signature's first launch, each TMA descriptor comes from a cache by its tensor's address: the same
     addresses build none, a new one builds its own, a misaligned L is copied and built at every launch (never

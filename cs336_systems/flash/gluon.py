@@ -1723,9 +1723,10 @@ def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, c
                 _Arg(9), _Arg(10), _Arg(11), batch)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=warps)
-    # (the integers the JIT specializes: the sizes whole; the offsets' alignment)
+    # (the integers the JIT specializes: the sizes whole; the offsets' alignment; and the band, which the cached
+    # launch's template holds)
     key = ("kv_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
-           batch, band is not None, cu_seqlens_q.data_ptr() % 16 == 0, cu_seqlens_k.data_ptr() % 16 == 0)
+           batch, band, cu_seqlens_q.data_ptr() % 16 == 0, cu_seqlens_k.data_ptr() % 16 == 0)
     return flash_bwd_single_keys_gluon_kernel, grid, template, constexprs, key, tensors
 
 
@@ -1758,7 +1759,7 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
     key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
-           band is not None, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
+           band, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
            cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key, tensors
 
