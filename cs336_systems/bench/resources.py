@@ -43,7 +43,7 @@ REGISTER_ALLOC_UNIT = 8  # registers per thread are allocated in steps of 8
 FIELDS = {"mode": str, "variant": str, "dtype": str, "n_heads": int, "seq_len": int, "d_head": int,
           "is_causal": bool, "target": str}
 OK_FIELDS = {"registers": int, "spill_store_bytes": int, "spill_load_bytes": int, "stack_bytes": int,
-             "shared_mem_bytes": int, "warps_per_sm_by_registers": int, "wgmma": bool, "hot_loops": str}
+             "shared_mem_bytes": int, "warps_per_sm_by_registers": int, "wgmma": bool}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
