@@ -410,9 +410,9 @@ def test_gluon_launch_keys_hold_the_grid():
 
 
 def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
-    """`_band_split`'s own code on Python ints (gl's scalar ops stood in for, C division): over windows, causal bands
-    and packed sequences' ends, every tile it gives the unmasked loop is one `_single_keys_p` would not mask, both counts
-    keep the buffers' parity, and at most two uncut tiles go to the masked runs."""
+    """`_band_split`'s own code on Python ints (gl's scalar ops stood in for, C division): over windows, causal
+    bands and packed sequences' ends, every tile it gives the unmasked loop is one `_single_keys_p` would not mask,
+    both counts keep the buffers' parity, and at most two uncut tiles go to the masked runs."""
     import random
     import types
 
