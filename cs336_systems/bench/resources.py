@@ -12,7 +12,10 @@ config): registers per thread, spill bytes, shared memory, the warps per SM the 
 (65,536 registers per SM), and ptxas's C75xx warnings ("Potential Performance Loss: wgmma.mma_async
 instructions are serialized"), which the PTX does not show: each wgmma then waits for the one before.
 Often a large slowdown (docs/design.md), not always (the forward's 128×128/4/3 config is
-among the fastest at d 64 with one). Nothing is timed; rows say `gpu: none`.
+among the fastest at d 64 with one). And the kernel's hot loops from its SASS (Triton's nvdisasm): the
+innermost loops holding matrix instructions, each with its instruction count and its local-memory loads and
+stores (spills there cost every iteration; ptxas's spill bytes do not say where they are). Nothing is timed;
+rows say `gpu: none`.
 """
 
 from __future__ import annotations
@@ -139,6 +142,50 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     }
 
 
+def hot_loops(sass: str) -> str:
+    """The innermost loops of a kernel's SASS (nvdisasm -c) that hold matrix instructions (HGMMA, HMMA), in address
+    order, each as "instructions:local loads/local stores" (e.g. "1137:4/0"); "" where there is none. A loop is a
+    predicated branch back to a label (an unpredicated one is a wait's retry path, not a loop)."""
+    code, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        instruction = re.search(r"/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
+        if instruction:
+            address = int(instruction.group(1), 16)
+            labels.update((p, address) for p in pending)
+            pending = []
+            code.append((address, instruction.group(2)))
+    loops = []
+    for address, text in code:
+        back = re.match(r"@!?U?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", text)
+        if back and labels[back.group(1)] <= address:
+            body = [t for a, t in code if labels[back.group(1)] <= a <= address]
+            if any(re.search(r"\bHG?MMA\b", t) for t in body):
+                loops.append((labels[back.group(1)], address, body))
+    inner = [(a, b, body) for a, b, body in loops
+             if not any((a, b) != (c, d) and a <= c and d <= b for c, d, _ in loops)]
+    return " ".join(f"{len(body)}:{_count(body, 'LDL')}/{_count(body, 'STL')}" for _, _, body in sorted(inner))
+
+
+def _count(code: list[str], opcode: str) -> int:
+    """How many instructions of `code` (predicated or not) are `opcode` (any of its variants)."""
+    return sum(bool(re.match(rf"(@!?U?P\d+\s+)?{opcode}\b", t)) for t in code)
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a compiled kernel's cubin, by the nvdisasm Triton ships."""
+    import triton
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+        return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
 def warps_per_sm(registers: int, num_warps: int) -> int:
     """Resident warps per SM that the register file allows (whole CTAs)."""
     per_thread = -(-registers // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
@@ -219,6 +266,7 @@ def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict,
         "shared_mem_bytes": compiled.metadata.shared,
         "warps_per_sm_by_registers": warps_per_sm(usage["registers"], warps_per_cta),
         "wgmma": "wgmma" in compiled.asm["ptx"],
+        "hot_loops": hot_loops(sass_of(compiled.asm["cubin"])),
         "status": "ok",
     })
 
@@ -228,7 +276,8 @@ def render(rows: list[Row], out: Output) -> list[str]:
     sections = []
     fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
     headers = ["kernel", "config (tiles/warps/stages)", "TMA", "registers", "spill store/load B", "stack B",
-               "shared mem KiB", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized"]
+               "shared mem KiB", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized",
+               "hot loops (instr:LDL/STL)"]
 
     def tma(r: Row) -> str:  # rows before the TMA option compiled the block-pointer path
         return {True: "yes", False: "no"}.get(r.get("use_tma"), "no (not recorded)")
@@ -237,14 +286,17 @@ def render(rows: list[Row], out: Output) -> list[str]:
         body = [
             [r["mode"], r["variant"], tma(r), r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
              r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"],
-             r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded")]
-            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", ""]
+             r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded"),
+             r.get("hot_loops", "not recorded") or "none"]
+            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", ""]
             for r in group
         ]
         sections.append(
             f"## ptxas resources, {report.subtitle(fields, key)}\n\n"
             "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers; a C75xx code "
-            "in the last column means ptxas serializes the kernel's wgmmas (a potential, often large, loss)\n\n"
+            "in the serialized column means ptxas serializes the kernel's wgmmas (a potential, often large, loss); "
+            "hot loops: the innermost loops holding matrix instructions, their instructions and local-memory "
+            "loads/stores (spills paid every iteration)\n\n"
             + report.markdown(headers, body)
         )
     return sections

@@ -51,10 +51,15 @@ SPILL_ALLOWED = {"flash_bwd_single_pass_keys_gluon": 76, "flash_bwd_single_pass_
                  "flash_fwd_packed_gluon": 144}
 
 
+# local stores a Gluon kernel's hot loops may hold (the most in any one): the packed kernels test each tile against
+# its sequence's ends and band in the loop, and those registers spill there
+LOOP_STORES_ALLOWED = {"flash_bwd_single_pass_keys_packed_gluon": 32, "flash_fwd_packed_gluon": 2}
+
+
 def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
     """The Gluon kernels at their shipped configs: compiled for sm_90a, and ptxas keeps their wgmmas
     asynchronous (no C75xx warning: a warning there means every wgmma waits for the one before) and spills
-    nothing (beyond SPILL_ALLOWED)."""
+    nothing (beyond SPILL_ALLOWED), and nothing in their hot loops (beyond LOOP_STORES_ALLOWED)."""
     from cs336_systems.flash.gluon import GLUON_KERNELS
 
     done = _resources(tmp_path, "--kernels", *GLUON_KERNELS, "--d", "64", "128", "--seq", "1024", "--n-heads", "2")
@@ -68,6 +73,40 @@ def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
             continue
         assert r["status"] == "ok" and r["wgmma"] is True, r
         assert r["ptxas_warnings"] == "" and r["spill_store_bytes"] <= SPILL_ALLOWED.get(r["kernel"], 0), r
+        loops = [tuple(map(int, loop.replace(":", "/").split("/"))) for loop in r["hot_loops"].split()]
+        assert loops and max(stores for _, _, stores in loops) <= LOOP_STORES_ALLOWED.get(r["kernel"], 0), r
+
+
+# nvdisasm -c's shape: a loop with a matrix instruction and a spill, a loop nested in it, a wait's retry path (an
+# unpredicated branch back), a loop of no matrix instruction
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDL R4, [R1+0x28] ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT ;
+.L_x_1:
+        /*0030*/                   STL [R1+0x84], R0 ;
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16].tnspA.tnspB, RZ, !UPT ;
+        /*0050*/               @P1 LDL.LU.64 R216, [R1+0x98] ;
+        /*0060*/               @P0 BRA `(.L_x_1) ;
+        /*0070*/              @!P2 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0080*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0090*/               @P3 BRA `(.L_x_2) ;
+.L_x_4:
+        /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16].tnspA.tnspB, RZ, !UPT ;
+        /*00b0*/                   EXIT ;
+.L_x_3:
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR16+0x38940], R3 ;
+        /*00d0*/                   BRA `(.L_x_4) ;
+"""
+
+
+def test_hot_loops_reads_the_innermost_matrix_loops_of_the_sass():
+    assert resources_bench.hot_loops(SASS) == "4:1/1"  # the inner loop: 0x30-0x60
+    outer_only = SASS.replace("@P0 BRA `(.L_x_1)", "@P0 BRA `(.L_x_2)")  # (now a forward branch): 0x10-0x70
+    assert resources_bench.hot_loops(outer_only) == "7:2/1"
+    assert resources_bench.hot_loops(SASS.replace("HGMMA", "FFMA")) == ""
 
 
 def test_resources_refuses_gluon_kernels_off_sm90(tmp_path):
