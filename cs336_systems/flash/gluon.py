@@ -660,23 +660,34 @@ def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
-                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, band, EDGES: gl.constexpr):
-    """Tiles t_first .. t_first+n-1, unmasked (but for a window's edges), two per iteration: those of t_first's
-    parity take the buffers x, the others y."""
-    for i in range(n // 2):
+def _single_keys_pairs(t_first, n_pairs, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
+                       empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, band):
+    """Tiles t_first .. t_first+2·n_pairs-1, unmasked, two per iteration: those of t_first's parity take the buffers
+    x, the others y."""
+    for i in range(n_pairs):
         t = t_first + 2 * i
         dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, EDGES)
+                                   STAGES, False, band, False)
         dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, EDGES)
+                                   STAGES, False, band, False)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, band):
+    """Tiles t_first .. t_first+n-1, unmasked: `_single_keys_pairs`, then an odd last tile on the buffers x."""
+    dk, dv = _single_keys_pairs(t_first, n // 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y,
+                                ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                STAGES, band)
     if n % 2 == 1:
         dk, dv = _single_keys_tile(t_first + n - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, False, band, EDGES)
+                                   BLOCK_M, STAGES, False, band, False)
     return dk, dv
 
 
@@ -695,14 +706,9 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
         dk, dv = _single_keys_cut(t0, a, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                   empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES,
                                   band)
-        for i in range(m // 2):
-            t = t0 + a + 2 * i
-            dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y,
-                                       ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                       BLOCK_M, STAGES, False, band, False)
-            dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x,
-                                       ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                       BLOCK_M, STAGES, False, band, False)
+        dk, dv = _single_keys_pairs(t0 + a, m // 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x,
+                                    y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                    BLOCK_M, STAGES, band)
         dk, dv = _single_keys_cut(t0 + a + m, n_vis - a - m, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                   delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
                                   qk_scale, BLOCK_M, STAGES, band)
@@ -716,11 +722,11 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
                                        BLOCK_M, STAGES, True, band, EDGES)
             dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band)
         else:
             dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band)
     return dk, dv
 
 
