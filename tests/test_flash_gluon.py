@@ -409,6 +409,37 @@ def test_gluon_launch_keys_hold_the_grid():
     assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
 
 
+def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
+    """`_band_split`'s own code on Python ints (gl's scalar ops stood in for, C division): over windows, causal
+    bands and packed sequences' ends, every tile it gives the unmasked loop is one `_single_keys_p` would not mask,
+    both counts keep the buffers' parity, and at most two uncut tiles go to the masked runs."""
+    import random
+    import types
+
+    from cs336_systems.flash import gluon as flash_gluon
+
+    fn = flash_gluon._band_split.fn
+    stand_in = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda x, y: int((x + y - 1) / y),
+                                     where=lambda c, a, b: a if c else b)
+    split = types.FunctionType(fn.__code__, {**fn.__globals__, "gl": stand_in})
+    rng = random.Random(0)
+    unbounded = flash_gluon.UNBOUNDED
+    for _ in range(20000):
+        block_m, block_n = rng.choice(((64, 128), (128, 128)))
+        n_q, n_k = rng.randint(1, 3000), rng.randint(1, 3000)
+        left = rng.choice((unbounded, rng.randint(0, 3000)))
+        right = rng.choice((0, unbounded, rng.randint(0, 3000)))
+        k_start = rng.randrange(0, n_k, block_n)
+        q_first = max(k_start - right, 0) // block_m * block_m  # (`_band_tiles`)
+        n_vis = max(-(-(min(k_start + block_n + left, n_q) - q_first) // block_m), 0)
+        a, m = split(q_first, n_vis, (k_start, left, right, n_q, n_k), block_m, block_n)
+        cut = [q + block_m - 1 - left > k_start or k_start + block_n - 1 - right > q or q + block_m > n_q
+               or k_start + block_n > n_k for q in (q_first + i * block_m for i in range(n_vis))]
+        assert 0 <= a <= n_vis and 0 <= m <= n_vis - a and m % 2 == 0 and (a % 2 == 0 or a == n_vis)
+        assert not any(cut[a:a + m]), (a, m, cut)
+        assert cut.count(False) - m <= 2, (a, m, cut)
+
+
 def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
     """A launch's cached `_Compiled` keeps the argument template of the first call at its key: every value the
     template fixes (integers, the window's edges), the grid and the constexprs must then be the same for every call

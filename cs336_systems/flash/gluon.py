@@ -660,23 +660,34 @@ def _single_keys_barrier(t, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
-                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, band, EDGES: gl.constexpr):
-    """Tiles t_first .. t_first+n-1, unmasked (but for a window's edges), two per iteration: those of t_first's
-    parity take the buffers x, the others y."""
-    for i in range(n // 2):
+def _single_keys_pairs(t_first, n_pairs, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
+                       empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, band):
+    """Tiles t_first .. t_first+2·n_pairs-1, unmasked, two per iteration: those of t_first's parity take the buffers
+    x, the others y."""
+    for i in range(n_pairs):
         t = t_first + 2 * i
         dk, dv = _single_keys_tile(t, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, EDGES)
+                                   STAGES, False, band, False)
         dk, dv = _single_keys_tile(t + 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, y, x, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
-                                   STAGES, False, band, EDGES)
+                                   STAGES, False, band, False)
+    return dk, dv
+
+
+@gluon.jit
+def _single_keys_rest(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                      dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, band):
+    """Tiles t_first .. t_first+n-1, unmasked: `_single_keys_pairs`, then an odd last tile on the buffers x."""
+    dk, dv = _single_keys_pairs(t_first, n // 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y,
+                                ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
+                                STAGES, band)
     if n % 2 == 1:
         dk, dv = _single_keys_tile(t_first + n - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                                    x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, False, band, EDGES)
+                                   BLOCK_M, STAGES, False, band, False)
     return dk, dv
 
 
@@ -688,11 +699,19 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
     """Tiles t0 .. t0+n_vis-1 (one query head's): tiles of t0's parity take the buffers x, the others y. Under
     causal masking the first BLOCK_N / BLOCK_M tiles (1 or 2) are on the diagonal (with two, n_vis is even:
     `supported` takes query lengths in whole BLOCK_N). With EDGES (a window, causal folded into it; packed
-    sequences) every tile checks whether the band's edges or the sequence's ends cut it."""
-    if EDGES:
-        dk, dv = _single_keys_rest(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                                   x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
-                                   BLOCK_M, STAGES, band, EDGES)
+    sequences) the tiles the band's edges or the sequence's ends may cut run first and last, each checking whether
+    they do (`_band_split`), and those between in a loop without the mask, whose registers spilled in the loop."""
+    if EDGES:  # the tiles an edge or end cuts come first and last: the loop over those between holds no mask
+        a, m = _band_split(q_first, n_vis, band, BLOCK_M, BLOCK_N)
+        dk, dv = _single_keys_cut(t0, a, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
+                                  empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M, STAGES,
+                                  band)
+        dk, dv = _single_keys_pairs(t0 + a, m // 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x,
+                                    y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale,
+                                    BLOCK_M, STAGES, band)
+        dk, dv = _single_keys_cut(t0 + a + m, n_vis - a - m, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                                  delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
+                                  qk_scale, BLOCK_M, STAGES, band)
     else:
         dk, dv = _single_keys_tile(t0, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready,
                                    empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M,
@@ -703,12 +722,47 @@ def _single_keys_run(t0, n_vis, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_sme
                                        BLOCK_M, STAGES, True, band, EDGES)
             dk, dv = _single_keys_rest(t0 + 2, n_vis - 2, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band)
         else:
             dk, dv = _single_keys_rest(t0 + 1, n_vis - 1, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem,
                                        delta_smem, y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis,
-                                       q_first, qk_scale, BLOCK_M, STAGES, band, EDGES)
+                                       q_first, qk_scale, BLOCK_M, STAGES, band)
     return dk, dv
+
+
+@gluon.jit
+def _single_keys_cut(t_first, n, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, x, y, ready, empty,
+                     dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first, qk_scale, BLOCK_M: gl.constexpr,
+                     STAGES: gl.constexpr, band):
+    """Tiles t_first .. t_first+n-1 that the band's edges or the sequence's ends may cut, each checking whether they
+    do: one a loop iteration, its buffers by its parity against t_first's (x) (two instances of the tile, not the
+    three of a loop of pairs: these runs are short and their code is compile time)."""
+    for i in range(n):
+        if i % 2 == 0:
+            dk, dv = _single_keys_tile(t_first + i, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                       x, y, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
+                                       qk_scale, BLOCK_M, STAGES, False, band, True)
+        else:
+            dk, dv = _single_keys_tile(t_first + i, dk, dv, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                                       y, x, ready, empty, dq_empty, offs_k, zero_s, zero_dq, n_vis, q_first,
+                                       qk_scale, BLOCK_M, STAGES, False, band, True)
+    return dk, dv
+
+
+@gluon.jit
+def _band_split(q_first, n_vis, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(a, m) of a key tile's n_vis query tiles from q_first under the band (k_start, left, right, n_q, n_k): the
+    first a (even, or all) hold the tiles the right edge cuts (the diagonal), the next m (even) are tiles no edge or
+    end cuts (`_single_keys_p`'s test), the rest hold those the left edge or the queries' end cut. A key tile past
+    the keys' end is cut everywhere (m = 0). Even counts keep each run on its first tile's dS/dQ buffers."""
+    k_start, left, right, n_q, n_k = band
+    a = gl.minimum(gl.maximum(gl.cdiv(k_start + BLOCK_N - 1 - right - q_first, BLOCK_M), 0), n_vis)
+    a = gl.minimum(a + a % 2, n_vis)
+    cut_from = gl.minimum(k_start + left - BLOCK_M + 2, n_q - BLOCK_M + 1)  # (the left edge's or the end's first)
+    b = gl.minimum(gl.maximum(gl.cdiv(cut_from - q_first, BLOCK_M), 0), n_vis)
+    m = gl.maximum(b - a, 0)
+    m = gl.where(k_start + BLOCK_N <= n_k, m - m % 2, 0)
+    return a, m
 
 
 @gluon.jit
