@@ -343,6 +343,40 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     assert calls == [expected]
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)], ids=["dense", "window"])
+def test_flash_gluon_plans_hand_the_compiles_ahead_what_they_would_launch(monkeypatch, fresh_plans, window):
+    """A call collected for the background compiles (`warm`, launching nothing) whose plans run the Gluon forward
+    and single pass hands over those kernels with the constexprs and scalar arguments that `gluon.forward_ahead`
+    and `gluon.kv_pass_ahead` give for tensors of the call's layout and its window's band."""
+    from cs336_systems.flash import chooser, gluon, launch
+
+    monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
+    monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(chooser, "GLUON_FWD_MIN_WORK", 1)
+    monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, 64, 1)
+    monkeypatch.setattr(gluon, "fwd_supported", lambda *a, **kw: True)
+    monkeypatch.setattr(gluon, "supported", lambda *a, **kw: True)
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 256)
+    band = launch.call_band(q, q, True, window)
+
+    def scalars(args):
+        return [a for a in args if type(a) in (int, float)]
+
+    forward: list = []
+    launch.flash_forward_triton(q, q, q, True, chooser.DEFAULT_OPTIONS, warm=forward, window=window)
+    expected = gluon.forward_ahead(q, q, q, q, lse, True, 0.125, band=band)
+    assert [(a.name, scalars(args), constexprs) for a, args, constexprs in forward] == [
+        (expected[0].name, scalars(expected[1]), expected[2])]
+    backward: list = []
+    launch.flash_backward_triton(q, q, q, q, lse, q, True, chooser.DEFAULT_OPTIONS, warm=backward, window=window)
+    ahead = [(a.name, scalars(args), constexprs) for a, args, constexprs in backward
+             if "gluon" in getattr(a, "name", "")]
+    expected = gluon.kv_pass_ahead(q, q, q, q, lse.flatten(0, 1), lse.flatten(0, 1), q, q, True, 0.125,
+                                   dq_acc=torch.zeros(2, 256, 64), band=band)
+    assert ahead == [(expected[0].name, scalars(expected[1]), expected[2])]
+
+
 @pytest.mark.parametrize("flag,torch_deterministic,expected", [
     (None, False, None), (None, True, True), (True, False, True), (False, False, False), (False, True, False),
 ])

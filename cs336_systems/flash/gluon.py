@@ -1578,6 +1578,12 @@ class Launch:
             planned = self.planned = self.plan(tensors)
         self.compiled = _launch(*planned, tensors, scale, self.cached)
 
+    def ahead(self, tensors: tuple, scale: float) -> tuple:
+        """What a call on these tensors would launch, as `background.submit` compiles it: (launcher, arguments,
+        constexprs); plans nothing to keep (the tensors are placeholders of a length not yet called)."""
+        kernel, _, template, constexprs, _ = self.plan(tensors)
+        return _Ahead(kernel), _arguments(template, tensors, scale), constexprs
+
 
 def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False,
                     groups: tuple[int, int] | None = None, band: tuple[int, int] | None = None):
@@ -1660,8 +1666,7 @@ def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale:
     """What `kv_pass` with these arguments would launch, as `background.submit` compiles it: (launcher, arguments,
     constexprs)."""
     tensors = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc)
-    kernel, _, template, constexprs, _ = _kv_launch_plan(tensors, is_causal, config, qrows, band=band)
-    return _Ahead(kernel), _arguments(template, tensors, scale), constexprs
+    return kv_launch(is_causal, config, qrows=qrows, band=band).ahead(tensors, scale)
 
 
 # A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
@@ -1868,6 +1873,4 @@ def forward_launch(is_causal: bool, config=None, cached: bool = True, band: tupl
 def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None,
                   band: tuple[int, int] | None = None) -> tuple:
     """What `forward` with these arguments would launch, as `background.submit` compiles it."""
-    tensors = (q4, k4, v4, o4, lse)
-    kernel, _, template, constexprs, _ = _fwd_launch_plan(tensors, is_causal, config, band)
-    return _Ahead(kernel), _arguments(template, tensors, scale), constexprs
+    return forward_launch(is_causal, config, band=band).ahead((q4, k4, v4, o4, lse), scale)

@@ -397,7 +397,7 @@ class ForwardPlan:
     lse_shape: tuple[int, ...]
     reshape: bool                     # inputs of more than four dims: `as_bhsd` each call
     default_scale: float              # 1/sqrt(D)
-    gluon: tuple | None = None        # (`gluon.forward_launch`, config, band) of the Gluon forward
+    gluon: gluon.Launch | None = None  # the Gluon forward's (`gluon.forward_launch`)
     use_tma: bool = False
     split: tuple | None = None        # `split_buffers`' arguments where the keys split (a short grid),
     split_lse_shape: tuple | None = None  # and the partial L's shape
@@ -420,8 +420,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     if design is Forward.GLUON:
         config = _gluon_config(opts, opts.gluon_fwd, "fwd")
         return ForwardPlan(design, lse_shape, reshape, default_scale,
-                           (gluon.forward_launch(is_causal, config, not launch_hooks_installed(), band=band), config,
-                            band))
+                           gluon.forward_launch(is_causal, config, not launch_hooks_installed(), band=band))
     o4 = as_bhsd(empty_like(q))  # as each call allocates O
     split, split_lse_shape, chunks, out = None, None, 1, o4
     if chunk:  # a short grid: chunks of the keys, merged by the combine kernel
@@ -490,12 +489,11 @@ def _run_forward(plan: ForwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if plan.reshape:
         q, k, v = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     if plan.gluon:
-        launch, config, band = plan.gluon
         tensors = (as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse)
         if warm is not None:
-            warm.append(gluon.forward_ahead(*tensors, is_causal, scale, config, band=band))
+            warm.append(plan.gluon.ahead(tensors, scale))
         else:
-            launch(tensors, scale)
+            plan.gluon(tensors, scale)
         return o, lse
     if plan.use_tma:  # launches through Triton take TMA scratch from its allocator, a context variable: set per thread
         triton.set_allocator(scratch)
@@ -563,7 +561,7 @@ class BackwardPlan:
     dq: _PlannedLaunch | None         # the two-pass design's dQ pass
     dq_sum: _PlannedLaunch | None     # merges its chunks where it splits
     kv: _PlannedLaunch | None         # the Triton dK/dV pass, or
-    gluon_kv: tuple | None            # (`gluon.kv_launch`, config, keywords) of the Gluon one
+    gluon_kv: gluon.Launch | None     # the Gluon one's (`gluon.kv_launch`)
     kv_sums: tuple[_PlannedLaunch, ...]  # dK's and dV's, where the dK/dV pass splits
     cast: _PlannedLaunch | None       # the single pass's dQ = its accumulator · scale, in q's dtype
     scratch: _SharedScratch
@@ -623,8 +621,8 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
             dq_sum = _planned_sum(dq4, dq_chunks, dq_chunk, d, d_tile, is_causal, False, device)
     if gluon_single or (choice.gluon_kv and use_tma):
         config = _gluon_config(opts, opts.gluon_kv, "kv")
-        keywords = dict(qrows=opts.single_qrows if gluon_single else opts.kv_qrows, band=band)
-        gluon_kv = (gluon.kv_launch(is_causal, config, not launch_hooks_installed(), **keywords), config, keywords)
+        gluon_kv = gluon.kv_launch(is_causal, config, not launch_hooks_installed(),
+                                   qrows=opts.single_qrows if gluon_single else opts.kv_qrows, band=band)
     else:
         launcher, config = tiled_launch("kv", tile_config("kv", opts, q, d_tile, is_causal, n_q, n_k), n_q, n_k, d,
                                         d_tile, use_tma)
@@ -688,13 +686,12 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
     if plan.kv:
         plan.kv(buffer, q, k, v, do_tiles, lse, delta, dk_out, dv_out, dq_acc, scale=scale)
     else:
-        launch, config, keywords = plan.gluon_kv
         acc = dq_acc if plan.choice.atomic else None
         tensors = (as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do_tiles), lse, delta, as_bhsd(dk), as_bhsd(dv), acc)
         if warm is not None:
-            warm.append(gluon.kv_pass_ahead(*tensors[:8], is_causal, scale, config, dq_acc=acc, **keywords))
+            warm.append(plan.gluon_kv.ahead(tensors, scale))
         else:
-            launch(tensors, scale)
+            plan.gluon_kv(tensors, scale)
     if plan.kv_sums:
         dk_sum, dv_sum = plan.kv_sums
         dk_sum(buffer, dk_out, dk)
