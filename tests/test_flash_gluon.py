@@ -210,7 +210,7 @@ def test_gluon_packed_forward_launch_plan():
     assert list(k_desc.block_shape) == [block_n, 128] and list(o_desc.block_shape) == [block_m, 128]
     assert args[10:12] == (flash_gluon.UNBOUNDED, 0)
     assert isinstance(args[12], torch.Tensor) and args[12].shape == (1024, 8, 128)
-    tiles, batch = args[-2], args[-1]
+    tiles, batch = args[-4], args[-3]  # (then the dense forward's head groups, unread)
     rows = block_m * num_warps // 4
     assert batch == 2 and tiles.shape == (1024 // rows + 2, 2)
     cpu = torch.empty(16, 2, 128, dtype=torch.bfloat16)
