@@ -50,7 +50,10 @@ The dK/dV passes start their programs a few heads at a time (`_grouped_program`,
 as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
 last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
 before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
-the backward's tiles wait on memory. The forward keeps its order: its K and V rows fit either way.
+the backward's tiles wait on memory. The dense forward does the same with the K and V rows its programs stream
+(`fwd_head_groups`): with more heads than SMs, tile 0 of every head first leaves each resident program on a head
+of its own, and every query tile of a head reads its K and V from memory again. A window keeps the plain order
+(neighbouring tiles read the same band).
 
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`), their TMA
 descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
@@ -1115,10 +1118,11 @@ def flash_fwd_gluon_kernel(
     num_warps: gl.constexpr,
 ):
     """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `_grouped_program`'s
-    order (HEAD_GROUP, TAIL), the longest causal tiles of a group first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
-    in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band`
-    gives it, causal folded in; self-attention, so that every query sees its own key) a program streams only the
-    key tiles its rows' bands meet.
+    order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
+    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; L:
+    contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
+    self-attention, so that every query sees its own key) a program streams only the key tiles its rows' bands
+    meet.
 
     With IS_VARLEN (packed sequences): grid (heads, slots); slot i runs query tile TILES[i, 1] of sequence TILES[i, 0]
     (N_SEQS: a spare slot, which stores nothing); Q, O: (total_q, H·D) views, K, V: (total_k, Hkv·D), a head's D
