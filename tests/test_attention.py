@@ -271,6 +271,16 @@ def fresh_plans(monkeypatch):
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
 
 
+@pytest.fixture
+def cpu_decisions(monkeypatch):
+    """For a test that records which kernels flash_triton would launch on CPU tensors, every launch patched: the
+    launch path as it runs under the interpreter (no device index, no prewarm, CPU tensors accepted), on a machine
+    with a GPU too, where TRITON_INTERPRET is off (the course's `pytest -k test_flash` runs these there)."""
+    import cs336_systems.flash.launch as launch
+
+    monkeypatch.setattr(launch, "INTERPRET", True)
+
+
 @pytest.mark.parametrize("opts,min_work,gluon_config", [
     ({}, 1 << 30, "triton"),                                   # default: only calls of 2^30+ work
     ({}, 1, None),                                             # ... which this one is, with the threshold at 1
@@ -280,6 +290,7 @@ def fresh_plans(monkeypatch):
     # a Triton config in the options (a sweep's fixed configs) is not handed to the Gluon kernel
     ({"autotune": False, "configs": (("fwd", (128, 64, 4, 3)),)}, 1, None),
 ], ids=["default-small", "default-large", "off", "on", "on-with-config", "auto-keeps-triton-config"])
+@pytest.mark.usefixtures("cpu_decisions")
 def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, min_work, gluon_config):
     """Which forward `flash_forward_triton` launches (the launches recorded, not run): the Gluon kernel
     where KernelOptions.gluon_fwd asks for it and it applies, with its config; else the Triton kernel."""
@@ -317,6 +328,7 @@ def test_flash_forward_chooses_the_gluon_kernel(monkeypatch, fresh_plans, opts, 
 ], ids=["default-small", "default-large", "default-large-two-pass", "single-qrows", "deterministic",
         "deterministic-keys-on-rows", "off", "on", "on-with-config", "auto-keeps-triton-config", "atomic",
         "atomic-triton", "atomic-small"])
+@pytest.mark.usefixtures("cpu_decisions")
 def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_work, single, expected):
     """Which dK/dV pass `flash_backward_triton` launches (recorded, not run): the Gluon single pass with a dQ
     accumulator (keys on rows unless single_qrows) where its config applies (`single`) and deterministic is
@@ -344,6 +356,7 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (100, 0)], ids=["dense", "window"])
+@pytest.mark.usefixtures("cpu_decisions")
 def test_flash_gluon_plans_hand_the_compiles_ahead_what_they_would_launch(monkeypatch, fresh_plans, window):
     """A call collected for the background compiles (`warm`, launching nothing) whose plans run the Gluon forward
     and single pass hands over those kernels with the constexprs and scalar arguments that `gluon.forward_ahead`

@@ -210,7 +210,7 @@ def test_gluon_packed_forward_launch_plan():
     assert list(k_desc.block_shape) == [block_n, 128] and list(o_desc.block_shape) == [block_m, 128]
     assert args[10:12] == (flash_gluon.UNBOUNDED, 0)
     assert isinstance(args[12], torch.Tensor) and args[12].shape == (1024, 8, 128)
-    tiles, batch = args[-2], args[-1]
+    tiles, batch = args[-4], args[-3]  # (then the dense forward's head groups, unread)
     rows = block_m * num_warps // 4
     assert batch == 2 and tiles.shape == (1024 // rows + 2, 2)
     cpu = torch.empty(16, 2, 128, dtype=torch.bfloat16)
@@ -596,6 +596,52 @@ def test_gluon_head_groups_cover_every_program(d):
         dk, dv, acc = grads(groups)
         assert torch.equal(dk, first[0]) and torch.equal(dv, first[1]), f"(HEAD_GROUP, TAIL) = {groups}"
         torch.testing.assert_close(acc, first[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_head_groups_cover_every_program(monkeypatch, is_causal):
+    """The forward in `_grouped_program`'s order: with 5 heads in groups of 1, 2 or 3 before a last group of 1 to 4,
+    and all 5 at once (the plain order), every program runs once, on its own query tile: O and L bitwise those of
+    the plain order (they start as NaN)."""
+    from cs336_systems.flash import gluon as flash_gluon
+
+    b, h, n, d = 1, 5, 1024, 64
+    q, k, v = (randn_cuda(b, h, n, d, seed=140 + i, dtype=torch.bfloat16) for i in range(3))
+
+    def forward(groups):
+        monkeypatch.setattr(flash_gluon, "fwd_head_groups", lambda *args: groups)
+        o, lse = torch.full_like(q, float("nan")), torch.full((b * h, n), float("nan"), device=q.device)
+        flash_gluon.forward(q, k, v, o, lse, is_causal, d ** -0.5)
+        return o, lse
+
+    first = forward((h, h))
+    assert not any(t.isnan().any() for t in first)
+    for groups in ((1, 1), (2, 1), (2, 3), (3, 2), (1, 4)):
+        o, lse = forward(groups)
+        assert torch.equal(o, first[0]) and torch.equal(lse, first[1]), f"(HEAD_GROUP, TAIL) = {groups}"
+
+
+def test_gluon_forward_groups_heads_where_the_plain_order_overflows_the_l2(monkeypatch):
+    """`fwd_head_groups` on a stand-in device (132 SMs, 50 MiB of L2): at 8 x 16 x 2048 x 128 (128 heads, more
+    than fit the L2 at once) groups of heads whose K and V fill at most half the L2; grouped-query heads count
+    their kv head's rows once per group of query heads; a window keeps the plain order (the template's group and
+    tail: every head)."""
+    from types import SimpleNamespace
+
+    from cs336_systems.flash import gluon as flash_gluon
+
+    props = SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(flash_gluon, "_fwd_head_groups", flash_gluon._fwd_head_groups.__wrapped__)
+    q = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16)
+    group, tail = flash_gluon._fwd_head_groups(8, 16, 16, 2048, 2048, 128, 2, True, 128, 128, 0)
+    assert 1 < group < 128 and group * 2 * 2048 * 128 * 2 <= flash_gluon.L2_SHARE * props.L2_cache_size
+    gqa_group, _ = flash_gluon._fwd_head_groups(8, 16, 4, 2048, 2048, 128, 2, True, 128, 128, 0)
+    assert gqa_group >= 4 * group or gqa_group == 128
+    lse = torch.empty(8 * 16, 2048)
+    *_, template, _, key = flash_gluon._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
+    assert template[-2:] == (128, 128)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,10 @@ The dK/dV passes start their programs a few heads at a time (`_grouped_program`,
 as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
 last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
 before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
-the backward's tiles wait on memory. The forward keeps its order: its K and V rows fit either way.
+the backward's tiles wait on memory. The dense forward does the same with the K and V rows its programs stream
+(`fwd_head_groups`): with more heads than SMs, tile 0 of every head first leaves each resident program on a head
+of its own, and every query tile of a head reads its K and V from memory again. A window keeps the plain order
+(neighbouring tiles read the same band).
 
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`), their TMA
 descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
@@ -1106,19 +1109,20 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
             _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
-@gluon.jit(do_not_specialize=("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
+@gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
-    O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS,
+    O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups), the longest causal
-    tiles first. Q, O: (B·H·Nq, D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D)
-    in BLOCK_N-row blocks; L: contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band`
-    gives it, causal folded in; self-attention, so that every query sees its own key) a program streams only the
-    key tiles its rows' bands meet.
+    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `_grouped_program`'s
+    order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
+    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; L:
+    contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
+    self-attention, so that every query sees its own key) a program streams only the key tiles its rows' bands
+    meet.
 
     With IS_VARLEN (packed sequences): grid (heads, slots); slot i runs query tile TILES[i, 1] of sequence TILES[i, 0]
     (N_SEQS: a spare slot, which stores nothing); Q, O: (total_q, H·D) views, K, V: (total_k, Hkv·D), a head's D
@@ -1140,11 +1144,14 @@ def flash_fwd_gluon_kernel(
         # (at least one tile: a program without keys still takes its turns, every score masked)
         n_tiles = gl.maximum(gl.cdiv(gl.minimum(q_start + ROWS + WINDOW_RIGHT, n_k), BLOCK_N) - j0, 1)
     else:
-        batch_head = gl.program_id(0)
-        if is_causal:
-            tile = gl.num_programs(1) - 1 - gl.program_id(1)
+        if HAS_WINDOW:  # (the plain order, `_fwd_launch_plan`: fewer registers, no spills in the windowed loop)
+            batch_head, step = gl.program_id(0), gl.program_id(1)
         else:
-            tile = gl.program_id(1)
+            batch_head, step = _grouped_program(HEAD_GROUP, TAIL)
+        if is_causal:
+            tile = gl.num_programs(1) - 1 - step
+        else:
+            tile = step
         q_start = tile * ROWS
         batch = batch_head // N_HEADS
         head = batch_head % N_HEADS
@@ -1272,6 +1279,25 @@ def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m:
     batch, heads, n_q, d = q4.shape
     return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
                            block_n, single_pass, q4.device.index)
+
+
+def fwd_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, rows: int, block_n: int) -> tuple[int, int]:
+    """`head_groups` of a dense forward (grid axis 0: batch·heads; a program per `rows` queries), whose programs
+    stream their kv head's K and V (query heads of one kv head are neighbours on axis 0, so a query head's share is
+    its kv head's rows over the group size), a BLOCK_N-key tile per step. Past as many heads as SMs the plain
+    order's resident programs each read another head's K and V, which the L2 cannot hold for the head's next query
+    tile."""
+    batch, heads, n_q, d = q4.shape
+    return _fwd_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, rows,
+                            block_n, q4.device.index)
+
+
+@functools.cache
+def _fwd_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
+                     rows: int, block_n: int, device_index: int | None) -> tuple[int, int]:
+    steps = [-(-min(i + rows, n_k) // block_n) if is_causal else n_k // block_n for i in range(0, n_q, rows)]
+    return head_groups(batch * heads, -(-2 * n_k * d * item // (heads // kv_heads)), sum(steps), max(steps),
+                       device_index)
 
 
 @functools.cache
@@ -1814,7 +1840,8 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     grid = (heads, tiles.shape[0], 1)
     template = (_packed_tiles(tensors, 0, block_m), _packed_tiles(tensors, 1, block_n),
                 _packed_tiles(tensors, 2, block_n), _packed_tiles(tensors, 3, block_m), _Arg(4), heads,
-                heads // kv_heads, total_q, total_k, _SCALE, left, right, _Arg(3), _Arg(5), _Arg(6), _Arg(7), batch)
+                heads // kv_heads, total_q, total_k, _SCALE, left, right, _Arg(3), _Arg(5), _Arg(6), _Arg(7), batch,
+                heads, heads)  # (head groups: unread)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
     key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
@@ -1848,11 +1875,15 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=False, num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
+    if band is None:
+        group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
+    else:  # (a window's programs read the band that their neighbours read: the plain order)
+        group = tail = batch * heads
     template = (_tiles(tensors, 0, block_m), _tiles(tensors, 1, block_n), _tiles(tensors, 2, block_n),
                 _tiles(tensors, 3, block_m), _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
-                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0)  # (a packed call's five)
+                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail)  # (_Arg(3) .. 0: a packed call's five)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band)  # (the grid, as in `_kv_launch_plan`)
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail)  # (the grid: `_kv_launch_plan`)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key
 
 
