@@ -82,15 +82,26 @@ def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check_against_float64(ours, q, k, v, do, is_causal, rule, reference=None):
+def run_by_kv_heads(fn, q, k, v, do, *args):
+    """`run` one kv head (with its query heads) at a time, outputs and grads joined along the heads: the same
+    results, a kv head's share of the memory (a float64 reference over long sequences needs tens of GB at once)."""
+    group = q.shape[1] // k.shape[1]
+    parts = [run(fn, q[:, h * group:(h + 1) * group], k[:, h:h + 1], v[:, h:h + 1], do[:, h * group:(h + 1) * group],
+                 *args) for h in range(k.shape[1])]
+    return tuple(torch.cat(x, dim=1) for x in zip(*parts))
+
+
+def check_against_float64(ours, q, k, v, do, is_causal, rule, reference=None, by_kv_heads=False):
     """ours = (o, dq, dk, dv) computed in q's dtype; compare with float64 per the dtype's rule.
 
     rule: ("abs", bound) on the max error, ("rel", bound) on the relative Frobenius error, or
     ("x_torch", factor): at most factor x the error of the reference computed in q's dtype.
+    by_kv_heads: the references run a kv head at a time (`run_by_kv_heads`; (B, H, N, D) tensors).
     """
     reference = reference or (lambda *a: reference_attention(*a)[0])
-    exact = run(reference, *(t.double() for t in (q, k, v, do)), is_causal)
-    torch_same_dtype = run(reference, q, k, v, do, is_causal)
+    runner = run_by_kv_heads if by_kv_heads else run
+    exact = runner(reference, *(t.double() for t in (q, k, v, do)), is_causal)
+    torch_same_dtype = runner(reference, q, k, v, do, is_causal)
     kind, bound = rule
     for name, x, ref, base in zip(("O", "dQ", "dK", "dV"), ours, exact, torch_same_dtype):
         assert torch.isfinite(x).all(), f"{name} has non-finite values"

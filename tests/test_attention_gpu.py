@@ -104,7 +104,7 @@ def test_flash_compiled_long_call_keeps_the_launchers():
     ours, code = _compiled_code(q, k, v, do)
     assert "flash_attn_fwd_launch" in code and "flash_attn_bwd_launch" in code
     assert "flash_fwd_flat_kernel" not in code
-    check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0))
+    check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0), by_kv_heads=True)
 
 
 def test_flash_cuda_graphs_capture_the_op():
@@ -251,7 +251,7 @@ def test_flash_window_on_a_gluon_sized_call_meets_2x_rule(d_head):
     ours = run(lambda *a: flash_attention(*a, enable_gqa=True, window=(1024, 0)), q, k, v, do, True)
     mask = band_mask(8192, 8448, (1024, 0), True, "cuda")
     reference = lambda q, k, v, _causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0), reference=reference)
+    check_against_float64(ours, q, k, v, do, True, ("x_torch", 2.0), reference=reference, by_kv_heads=True)
 
 
 @pytest.mark.parametrize("d_head", [64, 128])
@@ -284,7 +284,7 @@ def test_flash_window_gluon_kernels_meet_2x_rule(monkeypatch, window, is_causal,
     assert bands == [("forward_launch", band), ("kv_launch", band)]
     mask = band_mask(8192, 8192, window, is_causal, "cuda")
     reference = lambda q, k, v, _causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0), reference=reference)
+    check_against_float64(ours, q, k, v, do, is_causal, ("x_torch", 2.0), reference=reference, by_kv_heads=True)
 
 
 def test_flash_window_skips_tiles_outside_the_band():
