@@ -359,8 +359,8 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
 @pytest.mark.usefixtures("cpu_decisions")
 def test_flash_gluon_plans_hand_the_compiles_ahead_what_they_would_launch(monkeypatch, fresh_plans, window):
     """A call collected for the background compiles (`warm`, launching nothing) whose plans run the Gluon forward
-    and single pass hands over those kernels with the constexprs and scalar arguments that `gluon.forward_ahead`
-    and `gluon.kv_pass_ahead` give for tensors of the call's layout and its window's band."""
+    and single pass hands over those kernels with the constexprs and scalar arguments that the Gluon launches
+    (`gluon.forward_launch`, `gluon.kv_launch`) hand ahead for tensors of the call's layout and its window's band."""
     from cs336_systems.flash import chooser, gluon, launch
 
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
@@ -378,15 +378,15 @@ def test_flash_gluon_plans_hand_the_compiles_ahead_what_they_would_launch(monkey
 
     forward: list = []
     launch.flash_forward_triton(q, q, q, True, chooser.DEFAULT_OPTIONS, warm=forward, window=window)
-    expected = gluon.forward_ahead(q, q, q, q, lse, True, 0.125, band=band)
+    expected = gluon.forward_launch(True, band=band).ahead((q, q, q, q, lse), 0.125)
     assert [(a.name, scalars(args), constexprs) for a, args, constexprs in forward] == [
         (expected[0].name, scalars(expected[1]), expected[2])]
     backward: list = []
     launch.flash_backward_triton(q, q, q, q, lse, q, True, chooser.DEFAULT_OPTIONS, warm=backward, window=window)
     ahead = [(a.name, scalars(args), constexprs) for a, args, constexprs in backward
              if "gluon" in getattr(a, "name", "")]
-    expected = gluon.kv_pass_ahead(q, q, q, q, lse.flatten(0, 1), lse.flatten(0, 1), q, q, True, 0.125,
-                                   dq_acc=torch.zeros(2, 256, 64), band=band)
+    rows = lse.flatten(0, 1)
+    expected = gluon.kv_launch(True, band=band).ahead((q, q, q, q, rows, rows, q, q, torch.zeros(2, 256, 64)), 0.125)
     assert ahead == [(expected[0].name, scalars(expected[1]), expected[2])]
 
 

@@ -237,21 +237,21 @@ def test_gluon_window_reaches_the_forward_and_the_single_pass_on_self_attention_
     x = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
     fewer = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16)
     for band, has_window, tail in (((300, 0), True, (300, 0)), (None, False, (0, 0))):
-        _, args, constexprs = flash_gluon.forward_ahead(x, x, x, x, torch.empty(2, 1024), True, 0.125, band=band)
+        _, args, constexprs = flash_gluon.forward_launch(True, band=band).ahead((x, x, x, x, torch.empty(2, 1024)),
+                                                                                0.125)
         assert args[10:12] == tail and constexprs["HAS_WINDOW"] is has_window  # (then the packed call's five)
     with pytest.raises(ValueError, match="a window on self-attention only"):
-        flash_gluon.forward_ahead(fewer, x, x, fewer, torch.empty(2, 512), True, 0.125, band=(300, 0))
+        flash_gluon.forward_launch(True, band=(300, 0)).ahead((fewer, x, x, fewer, torch.empty(2, 512)), 0.125)
     lse = torch.empty(2, 1024)
     acc = torch.empty(2, 1024, 64)
-    _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc,
-                                                    band=(300, 0))
+    _, args, constexprs = flash_gluon.kv_launch(True, band=(300, 0)).ahead((x, x, x, x, lse, lse, x, x, acc), 0.125)
     assert args[-6:-4] == (300, 0) and constexprs["HAS_WINDOW"] is True  # (then the packed call's four)
-    _, args, constexprs = flash_gluon.kv_pass_ahead(x, x, x, x, lse, lse, x, x, True, 0.125, dq_acc=acc)
+    _, args, constexprs = flash_gluon.kv_launch(True).ahead((x, x, x, x, lse, lse, x, x, acc), 0.125)
     assert args[-6:-4] == (0, 0) and constexprs["HAS_WINDOW"] is False and constexprs["IS_VARLEN"] is False
-    for kwargs, q in (({}, x), ({"qrows": True}, x), ({"dq_acc": acc, "qrows": True}, x),
-                      ({"dq_acc": torch.empty(2, 512, 64)}, fewer)):
+    for qrows, dq_acc, q in ((False, None, x), (True, None, x), (True, acc, x),
+                             (False, torch.empty(2, 512, 64), fewer)):
         with pytest.raises(ValueError, match="a window runs only in the keys-on-rows single pass"):
-            flash_gluon.kv_pass_ahead(q, x, x, q, lse, lse, x, x, True, 0.125, band=(300, 0), **kwargs)
+            flash_gluon.kv_launch(True, qrows=qrows, band=(300, 0)).ahead((q, x, x, q, lse, lse, x, x, dq_acc), 0.125)
 
 
 @pytest.mark.gpu

@@ -1687,14 +1687,6 @@ def kv_launch(is_causal: bool, config=None, cached: bool = True, qrows: bool = F
     return Launch(lambda tensors: _kv_launch_plan(tensors, is_causal, config, qrows, band=band), cached)
 
 
-def kv_pass_ahead(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
-                  qrows: bool = False, dq_acc=None, band: tuple[int, int] | None = None) -> tuple:
-    """What `kv_pass` with these arguments would launch, as `background.submit` compiles it: (launcher, arguments,
-    constexprs)."""
-    tensors = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc)
-    return kv_launch(is_causal, config, qrows=qrows, band=band).ahead(tensors, scale)
-
-
 # A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
 # 1/PACKED_TAIL of the kv heads as one group: on the H200 (runs/ab/packed_head_groups_*.jsonl, 16 kv heads, 65536
 # tokens) 18.7 ms fwd+bwd at d 128 against 21.0 with every head at once (whose Q and dO rows overflow the L2)
@@ -1899,9 +1891,3 @@ def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cac
 def forward_launch(is_causal: bool, config=None, cached: bool = True, band: tuple[int, int] | None = None) -> Launch:
     """`forward`'s launches at one call signature: called with the tensors (q4, k4, v4, o4, lse) and the scale."""
     return Launch(lambda tensors: _fwd_launch_plan(tensors, is_causal, config, band), cached)
-
-
-def forward_ahead(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None,
-                  band: tuple[int, int] | None = None) -> tuple:
-    """What `forward` with these arguments would launch, as `background.submit` compiles it."""
-    return forward_launch(is_causal, config, band=band).ahead((q4, k4, v4, o4, lse), scale)
