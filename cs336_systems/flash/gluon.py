@@ -1026,6 +1026,22 @@ def _fwd_store_o(o, q_tile, o_desc, row, col):
 
 
 @gluon.jit
+def _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, n_tiles, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,
+              ROLE: gl.constexpr):
+    """A consumer whose rows all lie past the queries: per key tile it passes the turn on and frees K and V once
+    they have arrived (so that each release counts towards that tile's phase), as a working consumer would."""
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(turn.index(ROLE), j & 1)
+        mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
+        mbarrier.wait(ready_k.index(s), phase)
+        mbarrier.arrive(empty_k.index(s))
+        mbarrier.wait(ready_v.index(s), phase)
+        mbarrier.arrive(empty_v.index(s))
+
+
+@gluon.jit
 def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                   q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, row_stride, scale, band,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
@@ -1033,6 +1049,25 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
                   ROLE: gl.constexpr):
     """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored from n_q on), over
     n_tiles key tiles from key k_first."""
+    first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
+    mbarrier.wait(q_bar, 0)
+    if ROLE == WARPGROUPS - 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    if first >= n_q:  # every row past the queries (the last tile's padding): no matmuls, only the hand-offs
+        _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, n_tiles, STAGES, WARPGROUPS, ROLE)
+    else:
+        _fwd_rows(o_desc, O_ptr, q_smem.index(ROLE), k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                  q_row, q_col, l_row, first, k_first, n_tiles, n_q, row_stride, scale, band, BLOCK_M, BLOCK_N, D,
+                  STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, ROLE)
+
+
+@gluon.jit
+def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, q_col,
+              l_row, first, k_first, n_tiles, n_q, row_stride, scale, band, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
+              EDGES: gl.constexpr, IS_VARLEN: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE's rows from query `first` (some of them before n_q): S, P and O over the n_tiles key tiles
+    from key k_first, then O and L stored."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -1042,17 +1077,12 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_tile = q_smem.index(ROLE)
-    first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
     offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
     qk_scale = scale * LOG2E
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
-    if ROLE == WARPGROUPS - 1:
-        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
 
     # key tile 0: S only (there is no P·V before it)
     mbarrier.wait(turn.index(ROLE), 0)
@@ -1095,18 +1125,17 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
         seen = l_i > 0
         m_i = gl.where(seen, m_i, float("-inf"))
         l_i = gl.where(seen, l_i, 1.0)
-    if first < n_q:  # (rows from n_q on belong to the next head or sequence, or to none)
-        o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        row = q_row + ROLE * BLOCK_M
-        if IS_VARLEN:
-            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
-            if first + BLOCK_M <= n_q:
-                _fwd_store_o(o, q_tile, o_desc, row, q_col)
-            else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
-                _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
-        else:
-            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    row = q_row + ROLE * BLOCK_M
+    if IS_VARLEN:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
+        if first + BLOCK_M <= n_q:
             _fwd_store_o(o, q_tile, o_desc, row, q_col)
+        else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
+            _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
+    else:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+        _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
 @gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
