@@ -1026,6 +1026,40 @@ def _fwd_store_o(o, q_tile, o_desc, row, col):
 
 
 @gluon.jit
+def _fwd_live_tiles(first, k_first, n_tiles, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    is_causal: gl.constexpr, EDGES: gl.constexpr):
+    """(lo, hi): the program's key tiles lo to hi - 1 (of n_tiles from key k_first) hold every key that a
+    warpgroup's BLOCK_M rows from query `first` see; at least one (rows that see no key still store O and L).
+    The others are masked whole for these rows: skipping them leaves the row max, sum and O as they were."""
+    if EDGES:
+        left, right, n_k = band
+        lo = gl.maximum(first - left, 0) // BLOCK_N - k_first // BLOCK_N
+        hi = gl.cdiv(gl.minimum(first + BLOCK_M + right, n_k), BLOCK_N) - k_first // BLOCK_N
+    else:  # causal, from key 0
+        lo = 0
+        hi = gl.cdiv(first + BLOCK_M, BLOCK_N)
+    hi = gl.maximum(gl.minimum(hi, n_tiles), 1)  # (a packed sequence without keys: its one masked tile)
+    return gl.minimum(lo, hi - 1), hi
+
+
+@gluon.jit
+def _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, t_first, t_end, STAGES: gl.constexpr,
+              WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
+    """Key tiles t_first to t_end - 1 of a consumer that reads none of them (its rows see none of their keys, or
+    lie past the queries): per tile it passes the turn on and frees K and V once they have arrived (so that each
+    release counts towards that tile's phase), as a working consumer would."""
+    for j in range(t_first, t_end):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(turn.index(ROLE), j & 1)
+        mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
+        mbarrier.wait(ready_k.index(s), phase)
+        mbarrier.arrive(empty_k.index(s))
+        mbarrier.wait(ready_v.index(s), phase)
+        mbarrier.arrive(empty_v.index(s))
+
+
+@gluon.jit
 def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                   q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, row_stride, scale, band,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
@@ -1033,6 +1067,32 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
                   ROLE: gl.constexpr):
     """Consumer ROLE (of WARPGROUPS): query rows q_start + ROLE·BLOCK_M onwards (none stored from n_q on), over
     n_tiles key tiles from key k_first."""
+    first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
+    mbarrier.wait(q_bar, 0)
+    if ROLE == WARPGROUPS - 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    if first >= n_q:  # every row past the queries (the last tile's padding): no matmuls, only the hand-offs
+        _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, 0, n_tiles, STAGES, WARPGROUPS, ROLE)
+    elif EDGES or is_causal:  # the tiles its own rows' band meets (the program's serve all its warpgroups)
+        lo, hi = _fwd_live_tiles(first, k_first, n_tiles, band, BLOCK_M, BLOCK_N, is_causal, EDGES)
+        _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, 0, lo, STAGES, WARPGROUPS, ROLE)
+        _fwd_rows(o_desc, O_ptr, q_smem.index(ROLE), k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                  q_row, q_col, l_row, first, k_first, lo, hi - lo, n_q, row_stride, scale, band, BLOCK_M, BLOCK_N,
+                  D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, ROLE)
+        _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, hi, n_tiles, STAGES, WARPGROUPS, ROLE)
+    else:
+        _fwd_rows(o_desc, O_ptr, q_smem.index(ROLE), k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
+                  q_row, q_col, l_row, first, k_first, 0, n_tiles, n_q, row_stride, scale, band, BLOCK_M, BLOCK_N, D,
+                  STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, ROLE)
+
+
+@gluon.jit
+def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr, q_row, q_col,
+              l_row, first, k_first, t0, n, n_q, row_stride, scale, band, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
+              EDGES: gl.constexpr, IS_VARLEN: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE's rows from query `first` (some of them before n_q): S, P and O over the program's key tiles t0
+    to t0 + n - 1 (tile t from key k_first + t·BLOCK_N, in stage t % STAGES), then O and L stored."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -1042,51 +1102,49 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_tile = q_smem.index(ROLE)
-    first = q_start + ROLE * BLOCK_M  # this warpgroup's first query
     offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
     qk_scale = scale * LOG2E
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
-    if ROLE == WARPGROUPS - 1:
-        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
 
-    # key tile 0: S only (there is no P·V before it)
-    mbarrier.wait(turn.index(ROLE), 0)
-    mbarrier.wait(ready_k.index(0), 0)
-    sc = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    # its first live key tile: S only (there is no P·V before it)
+    s0 = t0 % STAGES
+    mbarrier.wait(turn.index(ROLE), t0 & 1)
+    mbarrier.wait(ready_k.index(s0), (t0 // STAGES) & 1)
+    sc = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
     sc = warpgroup_mma_wait(0, deps=(sc, ))
-    mbarrier.arrive(empty_k.index(0))
-    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first, first, qk_scale, BLOCK_N, is_causal, band,
-                                      EDGES)
+    mbarrier.arrive(empty_k.index(s0))
+    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + t0 * BLOCK_N, first, qk_scale, BLOCK_N,
+                                      is_causal, band, EDGES)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    mbarrier.wait(turn.index(ROLE), 1, pred=n_tiles > 1)
-    for j in range(1, n_tiles):
-        s = j % STAGES
-        sp = (j - 1) % STAGES
-        mbarrier.wait(ready_k.index(s), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(ROLE), (t0 + 1) & 1, pred=n > 1)
+    for j in range(1, n):
+        t = t0 + j
+        s = t % STAGES
+        sp = (t - 1) % STAGES
+        mbarrier.wait(ready_k.index(s), (t // STAGES) & 1)
         sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(ready_v.index(sp), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(ready_v.index(sp), ((t - 1) // STAGES) & 1)
         o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
         mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
-        mbarrier.arrive(empty_k.index(s))  # K_j read
-        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + j * BLOCK_N, first, qk_scale, BLOCK_N,
+        mbarrier.arrive(empty_k.index(s))  # K_t read
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + t * BLOCK_N, first, qk_scale, BLOCK_N,
                                           is_causal, band, EDGES)
-        # the turn for the next tile's matmuls, taken before the wait for P_{j-1}·V_{j-1}: a wait for every
+        # the turn for the next tile's matmuls, taken before the wait for P_{t-1}·V_{t-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
-        mbarrier.wait(turn.index(ROLE), (j + 1) & 1, pred=j + 1 < n_tiles)
+        mbarrier.wait(turn.index(ROLE), (t + 1) & 1, pred=j + 1 < n)
         o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-        mbarrier.arrive(empty_v.index(sp))  # V_{j-1} read
+        mbarrier.arrive(empty_v.index(sp))  # V_{t-1} read
         o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    sl = (n_tiles - 1) % STAGES
-    mbarrier.wait(ready_v.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    tl = t0 + n - 1
+    sl = tl % STAGES
+    mbarrier.wait(ready_v.index(sl), (tl // STAGES) & 1)
     o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
     mbarrier.arrive(empty_v.index(sl))
@@ -1095,18 +1153,17 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
         seen = l_i > 0
         m_i = gl.where(seen, m_i, float("-inf"))
         l_i = gl.where(seen, l_i, 1.0)
-    if first < n_q:  # (rows from n_q on belong to the next head or sequence, or to none)
-        o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        row = q_row + ROLE * BLOCK_M
-        if IS_VARLEN:
-            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
-            if first + BLOCK_M <= n_q:
-                _fwd_store_o(o, q_tile, o_desc, row, q_col)
-            else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
-                _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
-        else:
-            gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    row = q_row + ROLE * BLOCK_M
+    if IS_VARLEN:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
+        if first + BLOCK_M <= n_q:
             _fwd_store_o(o, q_tile, o_desc, row, q_col)
+        else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
+            _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
+    else:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+        _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
 @gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
