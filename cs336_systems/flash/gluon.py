@@ -1328,11 +1328,23 @@ def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: in
     return group, tail
 
 
+def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
+    starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
+    remainder in the last group. The single pass's programs read and reduce into rows that the programs of later
+    groups would otherwise evict from the L2 before their own line's next step needs them. One group of all lines
+    without a device (a CPU compile)."""
+    if device_index is None:
+        return lines, lines
+    group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // tiles))
+    return group, group + lines % group if lines > group else lines
+
+
 def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m: int, block_n: int,
                    single_pass: bool) -> tuple[int, int]:
-    """`head_groups` of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys), whose programs
-    stream the Q, dO, L and delta rows of their kv head's query heads (and, in a single pass, their fp32 dQ
-    rows), a BLOCK_M-query tile per step."""
+    """(HEAD_GROUP, TAIL) of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys): a two-pass
+    dK/dV pass's `head_groups` over the Q, dO, L and delta rows of its kv head's query heads that its programs
+    stream, a BLOCK_M-query tile per step; a single pass's `wave_groups`."""
     batch, heads, n_q, d = q4.shape
     return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
                            block_n, single_pass, q4.device.index)
@@ -1360,7 +1372,9 @@ def _fwd_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, 
 @functools.cache
 def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
                     block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
-    per_query = (heads // kv_heads) * (2 * d * item + 8 + (4 * d if single_pass else 0))
+    if single_pass:
+        return wave_groups(batch * kv_heads, -(-n_k // block_n), device_index)
+    per_query = (heads // kv_heads) * (2 * d * item + 8)
     steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
              for j in range(0, n_k, block_n)]
     return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), device_index)
