@@ -46,11 +46,13 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
   H200 it ties the Triton pass at d 64 and gains a little at d 128, long sequences.
 
-The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`): as many heads
-as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
-last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
-before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
-the backward's tiles wait on memory. The dense forward does the same with the K and V rows its programs stream
+The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`). The two-pass
+dK/dV pass takes as many heads as fit the rows its programs stream (Q, dO, L, delta) in half the L2, then a last
+group large enough not to leave its longest programs alone at the end (`head_groups`); with tile 0 of every head
+first the resident programs of a 16-head call read rows of every head, which the L2 cannot hold. The single pass
+takes a wave of lines a group (`wave_groups`: as many kv-head lines as their key tiles fill the SMs once): the L2
+rule gave grouped-query calls, whose lines stream several heads' rows and fp32 dQ, a last group of most lines, and
+the kernel ran up to 1.5x slower. The dense forward does the same with the K and V rows its programs stream
 (`fwd_head_groups`): with more heads than SMs, tile 0 of every head first leaves each resident program on a head
 of its own, and every query tile of a head reads its K and V from memory again. A window keeps the plain order
 (neighbouring tiles read the same band).
