@@ -397,6 +397,7 @@ def test_head_groups_fit_the_l2_and_end_with_enough_work(monkeypatch, heads, per
     (128, 4, (33, 62)),     # 32 x 16 x 512 at d 64: groups of 33, the last 29 with the last group
     (4, 128, (1, 1)),       # 1 x 4 kv heads x 16384: a line fills more than a wave
     (3, 16, (3, 3)),        # fewer lines than a wave holds: one group
+    (4, 0, (4, 4)),         # no key tiles (no keys): one group, no division by zero
 ])
 def test_wave_groups_start_a_wave_of_lines_at_a_time(monkeypatch, lines, tiles, want):
     """`wave_groups`: (HEAD_GROUP, TAIL) with HEAD_GROUP = the lines whose programs fill the SMs once (at least one),

@@ -1338,7 +1338,7 @@ def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, 
     without a device (a CPU compile)."""
     if device_index is None:
         return lines, lines
-    group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // tiles))
+    group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // max(tiles, 1)))
     return group, group + lines % group if lines > group else lines
 
 
