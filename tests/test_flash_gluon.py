@@ -391,6 +391,29 @@ def test_head_groups_fit_the_l2_and_end_with_enough_work(monkeypatch, heads, per
     assert flash_gluon.head_groups(heads, per_head, work, longest, None) == (heads, heads)
 
 
+@pytest.mark.parametrize("lines,tiles,want", [
+    (32, 16, (8, 8)),       # 8 x 4 kv heads x 2048: 8 lines of 16 key tiles fill 132 SMs once
+    (20, 16, (8, 12)),      # the remainder joins the last group
+    (128, 4, (33, 62)),     # 32 x 16 x 512 at d 64: groups of 33, the last 29 with the last group
+    (4, 128, (1, 1)),       # 1 x 4 kv heads x 16384: a line fills more than a wave
+    (3, 16, (3, 3)),        # fewer lines than a wave holds: one group
+    (4, 0, (4, 4)),         # no key tiles (no keys): one group, no division by zero
+])
+def test_wave_groups_start_a_wave_of_lines_at_a_time(monkeypatch, lines, tiles, want):
+    """`wave_groups`: (HEAD_GROUP, TAIL) with HEAD_GROUP = the lines whose programs fill the SMs once (at least one),
+    HEAD_GROUP dividing lines - TAIL, the last group a whole group and the remainder; every line once without a
+    device. A stand-in for `torch.cuda.get_device_properties` gives 132 SMs (CPU)."""
+    from types import SimpleNamespace
+
+    from cs336_systems.flash import gluon as flash_gluon
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132))
+    group, tail = flash_gluon.wave_groups(lines, tiles, 0)
+    assert (group, tail) == want
+    assert 1 <= group <= tail <= lines and (lines - tail) % group == 0 and (tail < 2 * group or tail == lines)
+    assert flash_gluon.wave_groups(lines, tiles, None) == (lines, lines)
+
+
 def test_gluon_launch_keys_hold_the_grid():
     """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
     and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first

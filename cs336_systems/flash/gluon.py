@@ -46,11 +46,13 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
   H200 it ties the Triton pass at d 64 and gains a little at d 128, long sequences.
 
-The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`): as many heads
-as fit the rows their programs stream (Q, dO, L, delta, and the single pass's fp32 dQ) in half the L2, then a
-last group large enough not to leave its longest programs alone at the end. With tile 0 of every head first, as
-before, the resident programs of a 16-head call read and reduce rows of every head, which the L2 cannot hold, and
-the backward's tiles wait on memory. The dense forward does the same with the K and V rows its programs stream
+The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`). The two-pass
+dK/dV pass takes as many heads as fit the rows its programs stream (Q, dO, L, delta) in half the L2, then a last
+group large enough not to leave its longest programs alone at the end (`head_groups`); with tile 0 of every head
+first the resident programs of a 16-head call read rows of every head, which the L2 cannot hold. The single pass
+takes a wave of lines a group (`wave_groups`: as many kv-head lines as their key tiles fill the SMs once): the L2
+rule gave grouped-query calls, whose lines stream several heads' rows and fp32 dQ, a last group of most lines, and
+the kernel ran up to 1.5x slower. The dense forward does the same with the K and V rows its programs stream
 (`fwd_head_groups`): with more heads than SMs, tile 0 of every head first leaves each resident program on a head
 of its own, and every query tile of a head reads its K and V from memory again. A window keeps the plain order
 (neighbouring tiles read the same band).
@@ -1328,11 +1330,23 @@ def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: in
     return group, tail
 
 
+def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
+    starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
+    remainder in the last group. The single pass's programs read and reduce into rows that the programs of later
+    groups would otherwise evict from the L2 before their own line's next step needs them. One group of all lines
+    without a device (a CPU compile)."""
+    if device_index is None:
+        return lines, lines
+    group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // max(tiles, 1)))
+    return group, group + lines % group if lines > group else lines
+
+
 def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m: int, block_n: int,
                    single_pass: bool) -> tuple[int, int]:
-    """`head_groups` of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys), whose programs
-    stream the Q, dO, L and delta rows of their kv head's query heads (and, in a single pass, their fp32 dQ
-    rows), a BLOCK_M-query tile per step."""
+    """(HEAD_GROUP, TAIL) of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys): a two-pass
+    dK/dV pass's `head_groups` over the Q, dO, L and delta rows of its kv head's query heads that its programs
+    stream, a BLOCK_M-query tile per step; a single pass's `wave_groups`."""
     batch, heads, n_q, d = q4.shape
     return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
                            block_n, single_pass, q4.device.index)
@@ -1360,7 +1374,9 @@ def _fwd_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, 
 @functools.cache
 def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
                     block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
-    per_query = (heads // kv_heads) * (2 * d * item + 8 + (4 * d if single_pass else 0))
+    if single_pass:
+        return wave_groups(batch * kv_heads, -(-n_k // block_n), device_index)
+    per_query = (heads // kv_heads) * (2 * d * item + 8)
     steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
              for j in range(0, n_k, block_n)]
     return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), device_index)
