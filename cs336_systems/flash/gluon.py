@@ -1333,9 +1333,9 @@ def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: in
 def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
     """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
     starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
-    remainder in the last group. The single pass's programs read and reduce into rows that the programs of later
-    groups would otherwise evict from the L2 before their own line's next step needs them. One group of all lines
-    without a device (a CPU compile)."""
+    remainder in the last group. The single pass's order: the L2 rule (`head_groups`) gave a grouped-query call
+    small groups and a last group of most of its lines, which ran the kernel up to 1.5x slower on an H100
+    (runs/ab/single_pass_wave_groups_f032026.jsonl). One group of all lines without a device (a CPU compile)."""
     if device_index is None:
         return lines, lines
     group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // max(tiles, 1)))
