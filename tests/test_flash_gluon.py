@@ -414,6 +414,24 @@ def test_wave_groups_start_a_wave_of_lines_at_a_time(monkeypatch, lines, tiles, 
     assert flash_gluon.wave_groups(lines, tiles, None) == (lines, lines)
 
 
+def test_kv_head_groups_wave_for_the_single_pass_l2_rule_for_the_two_pass(monkeypatch):
+    """`kv_head_groups` at 8 x 16 x 2048 x 128 with 4 kv heads (32 lines of 16 key tiles of 128) on a stand-in
+    device (132 SMs, 50 MiB of L2): the single pass in wave groups (8 lines, 8 in the last), the two-pass dK/dV pass
+    by the L2 rule (as many lines as fit their Q, dO, L and delta rows in L2_SHARE of the L2)."""
+    from types import SimpleNamespace
+
+    from cs336_systems.flash import gluon as flash_gluon
+
+    props = SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    groups = flash_gluon._kv_head_groups.__wrapped__
+    assert groups(8, 16, 4, 2048, 2048, 128, 2, True, 64, 128, True, 0) == (8, 8)
+    group, tail = groups(8, 16, 4, 2048, 2048, 64, 2, True, 64, 64, False, 0)
+    per_line = 4 * 2048 * (2 * 64 * 2 + 8)
+    assert group * per_line <= flash_gluon.L2_SHARE * props.L2_cache_size < (group + 1) * per_line
+    assert (32 - tail) % group == 0
+
+
 def test_gluon_launch_keys_hold_the_grid():
     """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
     and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first
