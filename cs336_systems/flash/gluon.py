@@ -1032,16 +1032,20 @@ def _fwd_live_tiles(first, k_first, n_tiles, band, BLOCK_M: gl.constexpr, BLOCK_
                     is_causal: gl.constexpr, EDGES: gl.constexpr):
     """(lo, hi): the program's key tiles lo to hi - 1 (of n_tiles from key k_first) hold every key that a
     warpgroup's BLOCK_M rows from query `first` see; at least one (rows that see no key still store O and L).
-    The others are masked whole for these rows: skipping them leaves the row max, sum and O as they were."""
+    The others are masked whole for these rows: skipping them leaves the row max, sum and O as they were. Without
+    a band or causal mask: every tile."""
+    lo = 0
+    hi = n_tiles
     if EDGES:
         left, right, n_k = band
         lo = gl.maximum(first - left, 0) // BLOCK_N - k_first // BLOCK_N
         hi = gl.cdiv(gl.minimum(first + BLOCK_M + right, n_k), BLOCK_N) - k_first // BLOCK_N
-    else:  # causal, from key 0
-        lo = 0
+    elif is_causal:  # from key 0
         hi = gl.cdiv(first + BLOCK_M, BLOCK_N)
-    hi = gl.maximum(gl.minimum(hi, n_tiles), 1)  # (a packed sequence without keys: its one masked tile)
-    return gl.minimum(lo, hi - 1), hi
+    if EDGES or is_causal:
+        hi = gl.maximum(gl.minimum(hi, n_tiles), 1)  # (a packed sequence without keys: its one masked tile)
+        lo = gl.minimum(lo, hi - 1)
+    return lo, hi
 
 
 @gluon.jit
@@ -1075,17 +1079,13 @@ def _fwd_consumer(o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
     if first >= n_q:  # every row past the queries (the last tile's padding): no matmuls, only the hand-offs
         _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, 0, n_tiles, STAGES, WARPGROUPS, ROLE)
-    elif EDGES or is_causal:  # the tiles its own rows' band meets (the program's serve all its warpgroups)
+    else:  # the tiles its own rows' band meets (the program's serve all its warpgroups); only hand-offs on the rest
         lo, hi = _fwd_live_tiles(first, k_first, n_tiles, band, BLOCK_M, BLOCK_N, is_causal, EDGES)
         _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, 0, lo, STAGES, WARPGROUPS, ROLE)
         _fwd_rows(o_desc, O_ptr, q_smem.index(ROLE), k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
                   q_row, q_col, l_row, first, k_first, lo, hi - lo, n_q, row_stride, scale, band, BLOCK_M, BLOCK_N,
                   D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, ROLE)
         _fwd_idle(ready_k, ready_v, empty_k, empty_v, turn, hi, n_tiles, STAGES, WARPGROUPS, ROLE)
-    else:
-        _fwd_rows(o_desc, O_ptr, q_smem.index(ROLE), k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, L_ptr,
-                  q_row, q_col, l_row, first, k_first, 0, n_tiles, n_q, row_stride, scale, band, BLOCK_M, BLOCK_N, D,
-                  STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, ROLE)
 
 
 @gluon.jit
