@@ -611,7 +611,7 @@ def test_gluon_launches_key_on_the_batch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gluon_head_groups_cover_every_program(d):
-    """The keys-on-rows single pass runs a few heads at a time (`_grouped_program`'s (HEAD_GROUP, TAIL)): with 5
+    """The keys-on-rows single pass runs a few heads at a time (`grouped_program`'s (HEAD_GROUP, TAIL)): with 5
     heads in groups of 1, 2 or 3 before a last group of 1 to 4, and all 5 at once, every program runs once, on its
     own key tile: dK and dV are bitwise those of the default order (they start as NaN), dQ's fp32 sums equal up to
     the order of their additions."""
@@ -642,7 +642,7 @@ def test_gluon_head_groups_cover_every_program(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_gluon_forward_head_groups_cover_every_program(monkeypatch, is_causal):
-    """The forward in `_grouped_program`'s order: with 5 heads in groups of 1, 2 or 3 before a last group of 1 to 4,
+    """The forward in `grouped_program`'s order: with 5 heads in groups of 1, 2 or 3 before a last group of 1 to 4,
     and all 5 at once (the plain order), every program runs once, on its own query tile: O and L bitwise those of
     the plain order (they start as NaN)."""
     from cs336_systems.flash import gluon as flash_gluon

@@ -46,7 +46,7 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   One warpgroup per program; the accumulators dK, dV stay in registers, K and V in shared memory. On the
   H200 it ties the Triton pass at d 64 and gains a little at d 128, long sequences.
 
-The dK/dV passes start their programs a few heads at a time (`_grouped_program`, `kv_head_groups`). The two-pass
+The dK/dV passes start their programs a few heads at a time (`grouped_program`, `kv_head_groups`). The two-pass
 dK/dV pass takes as many heads as fit the rows its programs stream (Q, dO, L, delta) in half the L2, then a last
 group large enough not to leave its longest programs alone at the end (`head_groups`); with tile 0 of every head
 first the resident programs of a 16-head call read rows of every head, which the L2 cannot hold. The single pass
@@ -106,11 +106,11 @@ WORKER_REGS = gl.constexpr(24)
 
 
 # integer arguments that vary with the lengths and are not specialized: one compile serves every length
-_BY_LENGTH = ("HEAD_GROUP", "TAIL")
+BY_LENGTH = ("HEAD_GROUP", "TAIL")
 
 
 @builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """global[desc at coord] += shared `src` as one asynchronous TMA bulk reduction (cp.reduce.async.bulk),
     completed like a TMA store (`tma.store_wait`). Gluon 3.6 builds the op (its builder's
     `create_async_tma_reduce`, which Triton's own descriptor `atomic_add` lowers to) but exports no wrapper."""
@@ -119,18 +119,18 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
+def tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
     """First row of query tile t (n_vis tiles per query head of the group) in the (B·H·Nq, D) views of
     Q and dO, which is also its offset in the contiguous (B·H, Nq) L and delta."""
     return (first_head + t // n_vis) * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
 
 
 @gluon.jit
-def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, first_head, q_first, N_QUERIES,
+def issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, first_head, q_first, N_QUERIES,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """TMA of query tile t (of `total`) into stage t % STAGES; nothing past the last tile."""
     s = t % STAGES
-    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    row = tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     pred = t < total
     bar = ready.index(s)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
@@ -139,9 +139,9 @@ def _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, 
 
 
 @gluon.jit
-def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
+def tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
     """L (in base 2) and delta of query tile t; zeros past the last tile."""
-    row = _tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    row = tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     valid = (offs_m * 0 + t) < total
     lse = gl.load(L_ptr + row + offs_m, mask=valid, other=0.0)
     delta = gl.load(Delta_ptr + row + offs_m, mask=valid, other=0.0)
@@ -149,7 +149,7 @@ def _tile_rows(L_ptr, Delta_ptr, offs_m, t, total, n_vis, first_head, q_first, N
 
 
 @gluon.jit
-def _grouped_program(HEAD_GROUP, TAIL):
+def grouped_program(HEAD_GROUP, TAIL):
     """(head, tile) of this program in a grid (heads, tiles) that runs a few heads at a time: programs start in the
     order of their linear id (axis 0 fastest), which here takes every tile of HEAD_GROUP heads, tile by tile (tile
     0 of each head of the group, then tile 1, ...), before the next group, and the last TAIL heads as one group
@@ -170,11 +170,11 @@ def _grouped_program(HEAD_GROUP, TAIL):
 
 
 @gluon.jit
-def _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
-    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `_grouped_program`'s order): (k_start, its
+def kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
+    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `grouped_program`'s order): (k_start, its
     first row in the (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query
     head)."""
-    batch_kv_head, key_tile = _grouped_program(HEAD_GROUP, TAIL)
+    batch_kv_head, key_tile = grouped_program(HEAD_GROUP, TAIL)
     k_start = key_tile * BLOCK_N
     n_kv_heads = N_HEADS // KV_GROUP
     batch = batch_kv_head // n_kv_heads
@@ -183,7 +183,7 @@ def _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causal: gl.constexpr):
+def visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causal: gl.constexpr):
     """(q_first, n_vis, total): the query tiles that see the key tile at k_start (causal, top-left: queries from
     k_start on), per query head and over the GQA group."""
     if is_causal:
@@ -197,7 +197,7 @@ def _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causa
 @gluon.jit
 def _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):
-    """`_visible_tiles` under a window: the query tiles holding a query i that sees a key j of the tile at k_start,
+    """`visible_tiles` under a window: the query tiles holding a query i that sees a key j of the tile at k_start,
     j - right <= i <= j + left (self-attention, N_QUERIES in whole BLOCK_M)."""
     q_first = gl.maximum(k_start - WINDOW_RIGHT, 0) // BLOCK_M * BLOCK_M
     q_end = gl.minimum(k_start + BLOCK_N + WINDOW_LEFT, N_QUERIES)
@@ -206,10 +206,10 @@ def _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M
 
 
 @gluon.jit
-def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
+def kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
     """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V and the first
-    STAGES-1 query tiles on their way. Returns those and `_visible_tiles`."""
+    STAGES-1 query tiles on their way. Returns those and `visible_tiles`."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -222,29 +222,29 @@ def _kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_he
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
-    q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
+    q_first, n_vis, total = visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
     for i in gl.static_range(STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
+        issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
                           N_QUERIES, BLOCK_M, STAGES)
     return k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total
 
 
 @gluon.jit
-def _kv_barriers_invalidated(ready, kv_bar, STAGES: gl.constexpr):
-    """The end of a dK/dV program's barriers (`_kv_program_start`'s)."""
+def kv_barriers_invalidated(ready, kv_bar, STAGES: gl.constexpr):
+    """The end of a dK/dV program's barriers (`kv_program_start`'s)."""
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
 
 
 @gluon.jit
-def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
+def kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
     """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA)."""
     dtype: gl.constexpr = dk_desc.dtype
-    _kv_barriers_invalidated(ready, kv_bar, STAGES)
+    kv_barriers_invalidated(ready, kv_bar, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     out_smem.index(0).store((dk * scale).to(dtype))
     out_smem.index(1).store(dv.to(dtype))
@@ -255,7 +255,7 @@ def _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAG
 
 
 @gluon.jit
-def _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS):
+def packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS):
     """Sequence `seq` of a packed call (N_SEQS: none, a spare slot's): (its first query row, first key row, numbers of
     queries and of keys; 0 and 0 for none)."""
     live = (seq < N_SEQS).to(gl.int32)
@@ -266,7 +266,7 @@ def _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS):
 
 
 @gluon.jit
-def _store_rows(ptr, x, row, col, n_rows, ROW_STRIDE):
+def store_rows(ptr, x, row, col, n_rows, ROW_STRIDE):
     """A register tile x stored from element (row, col) of a row-major matrix of ROW_STRIDE columns, its rows from
     n_rows on masked (in a packed tensor, the next sequence's)."""
     layout: gl.constexpr = x.type.layout
@@ -281,30 +281,30 @@ def _store_rows(ptr, x, row, col, n_rows, ROW_STRIDE):
 @gluon.jit
 def _packed_kv_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr,
                        D: gl.constexpr):
-    """A packed call's dK/dV program (grid (kv_heads, slots), `_grouped_program`'s order): slot i runs key tile
+    """A packed call's dK/dV program (grid (kv_heads, slots), `grouped_program`'s order): slot i runs key tile
     TILES[i, 1] of sequence TILES[i, 0], whose L and delta start at column TILES[i, 2] (a sequence index N_SEQS marks
     a spare slot, which sees no query and no key). Returns (k_start within the sequence, the tile's row and column in
     the (total_k, Hkv·D) views of K and V, the first query head of the kv head's group, the sequence's first query
     row, its first column in L and delta, its numbers of queries and of keys)."""
-    kv_head, slot = _grouped_program(HEAD_GROUP, TAIL)
+    kv_head, slot = grouped_program(HEAD_GROUP, TAIL)
     seq = gl.load(TILES + 3 * slot)
     k_start = gl.load(TILES + 3 * slot + 1) * BLOCK_N
     l0 = gl.load(TILES + 3 * slot + 2)
-    q0, k0, n_q, n_k = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS)
+    q0, k0, n_q, n_k = packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, seq, N_SEQS)
     return k_start, k0 + k_start, kv_head * D, kv_head * KV_GROUP, q0, l0, n_q, n_k
 
 
 @gluon.jit
 def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows, ROW_STRIDE, ready, kv_bar,
                            STAGES: gl.constexpr):
-    """`_kv_program_end` of a packed call: dK·scale and dV stored from registers, rows n_rows on masked (they are the
+    """`kv_program_end` of a packed call: dK·scale and dV stored from registers, rows n_rows on masked (they are the
     next sequence's)."""
-    _kv_barriers_invalidated(ready, kv_bar, STAGES)
-    _store_rows(dk_ptr, dk * scale, kv_row, kv_col, n_rows, ROW_STRIDE)
-    _store_rows(dv_ptr, dv, kv_row, kv_col, n_rows, ROW_STRIDE)
+    kv_barriers_invalidated(ready, kv_bar, STAGES)
+    store_rows(dk_ptr, dk * scale, kv_row, kv_col, n_rows, ROW_STRIDE)
+    store_rows(dv_ptr, dv, kv_row, kv_col, n_rows, ROW_STRIDE)
 
 
-@gluon.jit(do_not_specialize=_BY_LENGTH)
+@gluon.jit(do_not_specialize=BY_LENGTH)
 def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
@@ -315,7 +315,7 @@ def flash_bwd_kv_gluon_kernel(
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -326,7 +326,7 @@ def flash_bwd_kv_gluon_kernel(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of Sᵀ)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
 
-    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
+    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = kv_program_start(
         q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
 
     qk_scale = scale * LOG2E
@@ -338,7 +338,7 @@ def flash_bwd_kv_gluon_kernel(
     # the register operands of the last dV and dK wgmmas, kept alive until the wait that retires them
     p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
+    lse_next, delta_next = tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES,
                                       BLOCK_M)
     mbarrier.wait(kv_bar, 0)
 
@@ -347,7 +347,7 @@ def flash_bwd_kv_gluon_kernel(
         q_start = q_first + (t % n_vis) * BLOCK_M
         lse = lse_next
         delta = delta_next
-        lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
+        lse_next, delta_next = tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first,
                                           N_QUERIES, BLOCK_M)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         q_tile = q_smem.index(s)
@@ -356,7 +356,7 @@ def flash_bwd_kv_gluon_kernel(
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
         # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
-        _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
+        issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
                           q_first, N_QUERIES, BLOCK_M, STAGES)
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
         if is_causal:
@@ -370,7 +370,7 @@ def flash_bwd_kv_gluon_kernel(
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 @gluon.jit
@@ -384,7 +384,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     caller's loop makes ptxas serialize every wgmma of the kernel (C7515)."""
     dtype: gl.constexpr = q_smem.dtype
     s = t % STAGES
-    lse_next, delta_next = _tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
+    lse_next, delta_next = tile_rows(L_ptr, Delta_ptr, offs_m, t + 1, total, n_vis, first_head, q_first, N_QUERIES,
                                       BLOCK_M)
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
     q_tile = q_smem.index(s)
@@ -393,7 +393,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(1, deps=(sc, ))
     gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
-    _issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
+    issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
                       N_QUERIES, BLOCK_M, STAGES)
     p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
     if MASKED:  # query i sees key j iff i >= j
@@ -419,14 +419,14 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
         buf = dq_smem.index(t % 2)
         buf.store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [_tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
+        tma_reduce_add(dq_desc, [tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M), 0], buf)
     else:
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv, lse_next, delta_next
 
 
-@gluon.jit(do_not_specialize=_BY_LENGTH)
+@gluon.jit(do_not_specialize=BY_LENGTH)
 def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
@@ -451,7 +451,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
     with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -461,7 +461,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
 
-    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = _kv_program_start(
+    k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = kv_program_start(
         q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
@@ -472,7 +472,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    lse, delta = _tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    lse, delta = tile_rows(L_ptr, Delta_ptr, offs_m, 0, total, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
     # dQ = dS·K of a tile (DQ_ATOMIC): (BLOCK_M, D) fp32, added to the (B·H·Nq, D) accumulator by TMA reductions
     zero_dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     if DQ_ATOMIC:
@@ -503,7 +503,7 @@ def flash_bwd_kv_qrows_gluon_kernel(
         tma.store_wait(pendings=0)
         gl.thread_barrier()
 
-    _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 @gluon.jit
@@ -572,9 +572,9 @@ def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first
         _, _, row, _, _ = _query_tile(u, n_vis, first_head, q_first, q0, q0, N_QUERIES, BLOCK_M,
                                       dq_desc.block_type.shape[1], IS_VARLEN)
         if b == 0:
-            _tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
+            tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
         else:
-            _tma_reduce_add(dq_desc, [row, 0], y[1].index(0))
+            tma_reduce_add(dq_desc, [row, 0], y[1].index(0))
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_empty.index(b))
 
@@ -831,7 +831,7 @@ def _single_keys_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     return dk, dv
 
 
-@gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT"))
+@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT"))
 def flash_bwd_single_keys_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL, WINDOW_LEFT, WINDOW_RIGHT,
@@ -883,7 +883,7 @@ def flash_bwd_single_keys_gluon_kernel(
             TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N, D)
         q_first, n_vis, total = _band_tiles(k_start, n_q, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     else:
-        k_start, kv_row, first_head = _kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+        k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
         kv_col = k_start * 0
         q0 = kv_col
         l0 = kv_col
@@ -893,7 +893,7 @@ def flash_bwd_single_keys_gluon_kernel(
             q_first, n_vis, total = _band_tiles(k_start, N_QUERIES, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
                                                 BLOCK_N)
         else:
-            q_first, n_vis, total = _visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
+            q_first, n_vis, total = visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
     # K, V and the dS, dQ buffers as (1, ...) allocations (`_single_keys_tile` indexes them)
@@ -943,7 +943,7 @@ def flash_bwd_single_keys_gluon_kernel(
         _packed_kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, kv_col, n_k - k_start,
                                (N_HEADS // KV_GROUP) * D, ready, kv_bar, STAGES)
     else:
-        _kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+        kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1162,13 +1162,13 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         if first + BLOCK_M <= n_q:
             _fwd_store_o(o, q_tile, o_desc, row, q_col)
         else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
-            _store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
+            store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
     else:
         gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
         _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
-@gluon.jit(do_not_specialize=_BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
+@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
     O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS, HEAD_GROUP, TAIL,
@@ -1176,7 +1176,7 @@ def flash_fwd_gluon_kernel(
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `_grouped_program`'s
+    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `grouped_program`'s
     order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
     D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; L:
     contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
@@ -1193,7 +1193,7 @@ def flash_fwd_gluon_kernel(
         head = gl.program_id(0)
         slot = gl.program_id(1)
         q_start = gl.load(TILES + 2 * slot + 1) * ROWS
-        q0, k0, n_q, n_k = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, gl.load(TILES + 2 * slot), N_SEQS)
+        q0, k0, n_q, n_k = packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, gl.load(TILES + 2 * slot), N_SEQS)
         q_row = q0 + q_start
         q_col = head * D
         kv_row = k0
@@ -1206,7 +1206,7 @@ def flash_fwd_gluon_kernel(
         if HAS_WINDOW:  # (the plain order, `_fwd_launch_plan`: fewer registers, no spills in the windowed loop)
             batch_head, step = gl.program_id(0), gl.program_id(1)
         else:
-            batch_head, step = _grouped_program(HEAD_GROUP, TAIL)
+            batch_head, step = grouped_program(HEAD_GROUP, TAIL)
         if is_causal:
             tile = gl.num_programs(1) - 1 - step
         else:
@@ -1299,8 +1299,8 @@ SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
 # 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-GLUON_DTYPES = tuple(_GL_DTYPES)  # the input dtypes the Gluon kernels take
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GLUON_DTYPES = tuple(GL_DTYPES)  # the input dtypes the Gluon kernels take
 
 
 @functools.cache
@@ -1308,7 +1308,7 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-# The share of the L2 that the rows a group of heads streams may fill (`_grouped_program`, `head_groups`)
+# The share of the L2 that the rows a group of heads streams may fill (`grouped_program`, `head_groups`)
 L2_SHARE = 0.5
 # The last group's work per SM, in its longest programs (`head_groups`)
 TAIL_WORK = 1.5
@@ -1316,7 +1316,7 @@ TAIL_WORK = 1.5
 
 def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
                 device_index: int | None) -> tuple[int, int]:
-    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `heads` along axis 0 whose programs stream
+    """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `heads` along axis 0 whose programs stream
     `bytes_per_head` each and take `work_per_head` steps per head, `longest` in the longest program: groups of as
     many heads as fit in L2_SHARE of the L2 (at least one), and a last group large enough for TAIL_WORK longest
     programs of work per SM. One group of all heads without a device (a CPU compile: both are run-time
@@ -1331,7 +1331,7 @@ def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: in
 
 
 def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
-    """(HEAD_GROUP, TAIL) of `_grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
+    """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
     starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
     remainder in the last group. The single pass's order: the L2 rule (`head_groups`) gave a grouped-query call
     small groups and a last group of most of its lines, which ran the kernel up to 1.5x slower on an H100
@@ -1385,14 +1385,14 @@ def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d
 def _takes(tensors, d: int, configs: dict) -> bool:
     """sm_90, 16-bit, a head dim with a config, contiguous, one dtype, 16-byte aligned."""
     q4 = tensors[0]
-    if d not in configs or q4.dtype not in _GL_DTYPES or not q4.is_cuda:
+    if d not in configs or q4.dtype not in GL_DTYPES or not q4.is_cuda:
         return False
     if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in tensors):
         return False
     return _is_sm90(q4.device.index)
 
 
-def _configs(qrows: bool, single_pass: bool) -> dict:
+def kv_configs(qrows: bool, single_pass: bool) -> dict:
     if single_pass:
         return SINGLE_PASS_CONFIGS if qrows else SINGLE_PASS_KEYS_CONFIGS
     return QROWS_CONFIGS if qrows else CONFIGS
@@ -1405,7 +1405,7 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
     contiguous, whole tiles (for the keys-on-rows single pass, queries in whole BLOCK_N as well: a causal key
     tile then sees an even number of BLOCK_M query tiles, as its loop takes them)."""
     d = q4.shape[-1]
-    configs = _configs(qrows, single_pass)
+    configs = kv_configs(qrows, single_pass)
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n or (single_pass and not qrows and q4.shape[2] % block_n):
         return False
@@ -1424,7 +1424,7 @@ def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=N
 
 @functools.cache
 def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES.get(dtype, gl.float32))  # fp32: dQ's
+    return gl.NVMMASharedLayout.get_default_for([rows, d], GL_DTYPES.get(dtype, gl.float32))  # fp32: dQ's
 
 
 @functools.cache
@@ -1687,7 +1687,7 @@ class Launch:
 def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False,
                     groups: tuple[int, int] | None = None, band: tuple[int, int] | None = None):
     """(kernel, grid, argument template, constexprs, cache key) of a dK/dV-pass launch on the call tensors (q4, k4,
-    v4, do4, lse, delta, dk4, dv4, dq_acc) (with dq_acc, not None: the single pass); groups: `_grouped_program`'s
+    v4, do4, lse, delta, dk4, dv4, dq_acc) (with dq_acc, not None: the single pass); groups: `grouped_program`'s
     (HEAD_GROUP, TAIL) (default `kv_head_groups`'); band: a window's (`chooser.band`), which only the keys-on-rows
     single pass takes, on self-attention."""
     q4, k4, _, _, lse, delta, _, _, dq_acc = tensors
@@ -1697,7 +1697,7 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     if band is not None and (qrows or not single or n_q != n_k):
         raise ValueError(f"a window runs only in the keys-on-rows single pass, on self-attention (Nq = Nk), got "
                          f"qrows={qrows}, single pass {single}, Nq {n_q}, Nk {n_k}")
-    block_m, block_n, warps, stages = config or _configs(qrows, single)[d]
+    block_m, block_n, warps, stages = config or kv_configs(qrows, single)[d]
     if qrows and not block_m == block_n == 16 * warps:
         raise ValueError(f"the queries-on-rows dK/dV pass and its single pass take BLOCK_M = BLOCK_N = "
                          f"16·num_warps (a warpgroup per 64 rows), got {config}")
@@ -1746,7 +1746,7 @@ def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float
     qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
-    DQ_ATOMIC). groups: the heads run at once (`_grouped_program`'s (HEAD_GROUP, TAIL); default
+    DQ_ATOMIC). groups: the heads run at once (`grouped_program`'s (HEAD_GROUP, TAIL); default
     `kv_head_groups`'). band: a sliding window's (`chooser.band`; the keys-on-rows single pass, Nq = Nk).
     (A caller that plans its calls holds a `kv_launch` instead, which plans the launch once.)"""
     tensors = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc)
@@ -1760,7 +1760,7 @@ def kv_launch(is_causal: bool, config=None, cached: bool = True, qrows: bool = F
     return Launch(lambda tensors: _kv_launch_plan(tensors, is_causal, config, qrows, band=band), cached)
 
 
-# A packed single pass runs one kv head at a time (`_grouped_program`), its slots longest first, and the last
+# A packed single pass runs one kv head at a time (`grouped_program`), its slots longest first, and the last
 # 1/PACKED_TAIL of the kv heads as one group: on the H200 (runs/ab/packed_head_groups_*.jsonl, 16 kv heads, 65536
 # tokens) 18.7 ms fwd+bwd at d 128 against 21.0 with every head at once (whose Q and dO rows overflow the L2)
 PACKED_TAIL = 4
