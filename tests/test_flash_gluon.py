@@ -420,15 +420,15 @@ def test_kv_head_groups_wave_for_the_single_pass_l2_rule_for_the_two_pass(monkey
     by the L2 rule (as many lines as fit their Q, dO, L and delta rows in L2_SHARE of the L2)."""
     from types import SimpleNamespace
 
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import heuristics
 
     props = SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    groups = flash_gluon._kv_head_groups.__wrapped__
+    groups = heuristics._kv_head_groups.__wrapped__
     assert groups(8, 16, 4, 2048, 2048, 128, 2, True, 64, 128, True, 0) == (8, 8)
     group, tail = groups(8, 16, 4, 2048, 2048, 64, 2, True, 64, 64, False, 0)
     per_line = 4 * 2048 * (2 * 64 * 2 + 8)
-    assert group * per_line <= flash_gluon.L2_SHARE * props.L2_cache_size < (group + 1) * per_line
+    assert group * per_line <= heuristics.L2_SHARE * props.L2_cache_size < (group + 1) * per_line
     assert (32 - tail) % group == 0
 
 
@@ -436,15 +436,15 @@ def test_gluon_launch_keys_hold_the_grid():
     """Two batches of one shape per head: the cached C launch is fixed to its grid, whose first axis is batch·heads
     and which no kernel argument carries, so their launch signatures must differ (keys without it reused the first
     batch's grid: programs missing or past the tensors). CPU placeholders: nothing is launched."""
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import interface
 
     keys = {}
     for batch in (1, 2):
         x = torch.empty(batch, 2, 256, 64, dtype=torch.bfloat16)
         lse = torch.empty(batch * 2, 256)
-        _, grid, _, _, fwd_key = flash_gluon._fwd_launch_plan((x, x, x, x, lse), True, None)
-        _, kv_grid, _, _, kv_key = flash_gluon._kv_launch_plan((x, x, x, x, lse, lse, x, x,
-                                                                torch.empty(batch * 2, 256, 64)), True, None, True)
+        _, grid, _, _, fwd_key = interface._fwd_launch_plan((x, x, x, x, lse), True, None)
+        _, kv_grid, _, _, kv_key = interface._kv_launch_plan((x, x, x, x, lse, lse, x, x,
+                                                              torch.empty(batch * 2, 256, 64)), True, None, True)
         assert grid[0] == kv_grid[0] == batch * 2
         keys[batch] = (fwd_key, kv_key)
     assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
@@ -457,14 +457,14 @@ def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
     import random
     import types
 
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import UNBOUNDED, flash_bwd_single_keys
 
-    fn = flash_gluon._band_split.fn
+    fn = flash_bwd_single_keys._band_split.fn
     stand_in = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda x, y: int((x + y - 1) / y),
                                      where=lambda c, a, b: a if c else b)
     split = types.FunctionType(fn.__code__, {**fn.__globals__, "gl": stand_in})
     rng = random.Random(0)
-    unbounded = flash_gluon.UNBOUNDED
+    unbounded = UNBOUNDED
     for _ in range(20000):
         block_m, block_n = rng.choice(((64, 128), (128, 128)))
         n_q, n_k = rng.randint(1, 3000), rng.randint(1, 3000)
@@ -486,12 +486,12 @@ def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
     template fixes (integers, the window's edges), the grid and the constexprs must then be the same for every call
     with that key (keys that held only whether a packed call has a window reused the first window's edges). Plans of
     the dense and packed forward and dK/dV passes over calls that differ in one thing each; CPU placeholders."""
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import interface
 
     def fixed(plan):
         _, grid, template, constexprs, key = plan[:5]
-        values = tuple(a for a in template if a.__class__ not in (flash_gluon._Tma, flash_gluon._Arg)
-                       and a is not flash_gluon._SCALE)
+        values = tuple(a for a in template if a.__class__ not in (interface._Tma, interface._Arg)
+                       and a is not interface._SCALE)
         return key, (grid, values, tuple(constexprs.items()))
 
     plans = []
@@ -503,18 +503,18 @@ def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
                 lse = torch.empty(batch * heads, n)
                 acc = torch.empty(batch * heads, n, d)
                 for band in (None, (64, 0), (128, 0), (0, 64)):
-                    plans.append(fixed(flash_gluon._fwd_launch_plan((q, k, k, q, lse), is_causal, None, band)))
-                    plans.append(fixed(flash_gluon._kv_launch_plan((q, k, k, q, lse, lse, k, k, acc), is_causal,
-                                                                   None, band=band)))
-                plans.append(fixed(flash_gluon._kv_launch_plan((q, k, k, q, lse, lse, k, k, None), is_causal, None)))
+                    plans.append(fixed(interface._fwd_launch_plan((q, k, k, q, lse), is_causal, None, band)))
+                    plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, acc), is_causal,
+                                                                 None, band=band)))
+                plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, None), is_causal, None)))
             for lengths in ((100, 200), (150, 150), (100, 100, 100)):
                 cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
                 q, k = torch.empty(300, 4, d, dtype=torch.bfloat16), torch.empty(300, 2, d, dtype=torch.bfloat16)
                 lse = torch.zeros(4, 300)
                 for band in (None, (0, 0), (64, 0), (128, 0), (0, 64)):
-                    plans.append(fixed(flash_gluon._packed_fwd_launch_plan(q, k, k, q, lse, cu, cu, is_causal, band)))
-                    plans.append(fixed(flash_gluon._packed_launch_plan(q, k, k, q, lse, lse, k, k,
-                                                                      torch.empty(4, 300, d), cu, cu, is_causal, band)))
+                    plans.append(fixed(interface._packed_fwd_launch_plan(q, k, k, q, lse, cu, cu, is_causal, band)))
+                    plans.append(fixed(interface._packed_launch_plan(q, k, k, q, lse, lse, k, k,
+                                                                    torch.empty(4, 300, d), cu, cu, is_causal, band)))
     by_key = {}
     for key, values in plans:
         assert by_key.setdefault(key, values) == values, f"two templates at one launch key {key}"
@@ -532,7 +532,7 @@ def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_p
     import triton
     import triton.backends.nvidia.driver as nvidia_driver
 
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import interface
 
     built = []
 
@@ -545,10 +545,10 @@ def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_p
     x = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
     tensors = (x, torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), torch.empty(2, 256),
                torch.empty(2, 256), torch.empty_like(x), torch.empty_like(x), torch.empty(2, 256, 64))
-    kernel, grid, template, constexprs, _ = flash_gluon._kv_launch_plan(tensors, True, None)
-    tmas = [a for a in template if isinstance(a, flash_gluon._Tma)]
+    kernel, grid, template, constexprs, _ = interface._kv_launch_plan(tensors, True, None)
+    tmas = [a for a in template if isinstance(a, interface._Tma)]
     params = [*template, *constexprs.values()]
-    signature = {i: "tensordesc<bf16[1, 1]>" if isinstance(a, flash_gluon._Tma) else "i32"
+    signature = {i: "tensordesc<bf16[1, 1]>" if isinstance(a, interface._Tma) else "i32"
                  for i, a in enumerate(params)}
     metas = [{"i": i} for i in range(len(tmas))]
     launch = nvidia_driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, metas)
@@ -558,11 +558,11 @@ def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_p
                                      "packed_metadata": "m",
                                      "metadata": types.SimpleNamespace(tensordesc_meta=metas)})()
     monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda device: 7))
-    cached = flash_gluon._Compiled(compiled, grid, template, constexprs, 0)
+    cached = interface._Compiled(compiled, grid, template, constexprs, 0)
     assert cached.steps is not None, "Triton's launcher should come apart"
 
     def wrapper_args(tensors, scale=0.5):  # what the wrapper passes on, from TensorDescriptors
-        launch(*range(13), *flash_gluon._arguments(template, tensors, scale), *constexprs.values())
+        launch(*range(13), *interface._arguments(template, tensors, scale), *constexprs.values())
         return calls.pop()[13:]
 
     cached(tensors, 0.5)
@@ -582,7 +582,7 @@ def test_gluon_later_launches_take_cached_descriptors_as_tritons_wrapper_would_p
         cached(odd, 0.5)
         assert len(built) == 1 and built.pop() % 16 == 0 and calls.pop()
     assert not any(misaligned.data_ptr() in cache for _, _, cache in cached.steps if cache is not None)
-    monkeypatch.setattr(flash_gluon, "DESCRIPTORS_PER_ARGUMENT", 2)
+    monkeypatch.setattr(interface, "DESCRIPTORS_PER_ARGUMENT", 2)
     for _ in range(3):
         cached((torch.empty_like(x), *tensors[1:]), 0.5)
     assert all(len(cache) <= 2 for _, _, cache in cached.steps if cache is not None)
@@ -611,7 +611,7 @@ def test_gluon_launches_key_on_the_batch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gluon_head_groups_cover_every_program(d):
-    """The keys-on-rows single pass runs a few heads at a time (`_grouped_program`'s (HEAD_GROUP, TAIL)): with 5
+    """The keys-on-rows single pass runs a few heads at a time (`grouped_program`'s (HEAD_GROUP, TAIL)): with 5
     heads in groups of 1, 2 or 3 before a last group of 1 to 4, and all 5 at once, every program runs once, on its
     own key tile: dK and dV are bitwise those of the default order (they start as NaN), dQ's fp32 sums equal up to
     the order of their additions."""
@@ -642,16 +642,17 @@ def test_gluon_head_groups_cover_every_program(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_gluon_forward_head_groups_cover_every_program(monkeypatch, is_causal):
-    """The forward in `_grouped_program`'s order: with 5 heads in groups of 1, 2 or 3 before a last group of 1 to 4,
+    """The forward in `grouped_program`'s order: with 5 heads in groups of 1, 2 or 3 before a last group of 1 to 4,
     and all 5 at once (the plain order), every program runs once, on its own query tile: O and L bitwise those of
     the plain order (they start as NaN)."""
     from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import interface
 
     b, h, n, d = 1, 5, 1024, 64
     q, k, v = (randn_cuda(b, h, n, d, seed=140 + i, dtype=torch.bfloat16) for i in range(3))
 
     def forward(groups):
-        monkeypatch.setattr(flash_gluon, "fwd_head_groups", lambda *args: groups)
+        monkeypatch.setattr(interface, "fwd_head_groups", lambda *args: groups)
         o, lse = torch.full_like(q, float("nan")), torch.full((b * h, n), float("nan"), device=q.device)
         flash_gluon.forward(q, k, v, o, lse, is_causal, d ** -0.5)
         return o, lse
@@ -670,18 +671,18 @@ def test_gluon_forward_groups_heads_where_the_plain_order_overflows_the_l2(monke
     tail: every head)."""
     from types import SimpleNamespace
 
-    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import heuristics, interface
 
     props = SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(flash_gluon, "_fwd_head_groups", flash_gluon._fwd_head_groups.__wrapped__)
+    monkeypatch.setattr(heuristics, "_fwd_head_groups", heuristics._fwd_head_groups.__wrapped__)
     q = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16)
-    group, tail = flash_gluon._fwd_head_groups(8, 16, 16, 2048, 2048, 128, 2, True, 128, 128, 0)
-    assert 1 < group < 128 and group * 2 * 2048 * 128 * 2 <= flash_gluon.L2_SHARE * props.L2_cache_size
-    gqa_group, _ = flash_gluon._fwd_head_groups(8, 16, 4, 2048, 2048, 128, 2, True, 128, 128, 0)
+    group, tail = heuristics._fwd_head_groups(8, 16, 16, 2048, 2048, 128, 2, True, 128, 128, 0)
+    assert 1 < group < 128 and group * 2 * 2048 * 128 * 2 <= heuristics.L2_SHARE * props.L2_cache_size
+    gqa_group, _ = heuristics._fwd_head_groups(8, 16, 4, 2048, 2048, 128, 2, True, 128, 128, 0)
     assert gqa_group >= 4 * group or gqa_group == 128
     lse = torch.empty(8 * 16, 2048)
-    *_, template, _, key = flash_gluon._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
+    *_, template, _, key = interface._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
     assert template[-2:] == (128, 128)
 
 
@@ -706,10 +707,12 @@ def test_gluon_kernels_compiled_ahead_for_longer_calls():
     """A signature's first call, short enough for the Triton kernels, compiles in the background the kernels that
     its batch and heads run from `chooser.gluon_lengths` (the Gluon ones and the Triton ones around them): the first
     longer call then compiles none (fp16, full attention, d 128: a signature no other test here runs first)."""
-    from cs336_systems.flash import chooser, gluon as flash_gluon, launch, triton_kernels
+    from cs336_systems.flash import chooser, launch, triton_kernels
+    from cs336_systems.flash.gluon import flash_bwd_kv, flash_bwd_kv_qrows, flash_bwd_single_keys, flash_fwd
     from cs336_systems.flash_triton import flash_attention
 
-    kernels = [kernel for module in (flash_gluon, triton_kernels) for kernel in vars(module).values()
+    modules = (flash_fwd, flash_bwd_kv, flash_bwd_kv_qrows, flash_bwd_single_keys, triton_kernels)
+    kernels = [kernel for module in modules for kernel in vars(module).values()
                if hasattr(kernel, "device_caches")]
 
     def compiled() -> int:

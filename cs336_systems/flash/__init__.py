@@ -1,7 +1,8 @@
 """FlashAttention-2 for PyTorch in Triton (and Gluon on Hopper), split by role:
 
   triton_kernels   Triton device code: tile helpers, inner loops, kernels (no host code)
-  gluon            Gluon (sm_90) kernels: the forward, the dK/dV pass, the single-pass backward, their launch
+  gluon/           Gluon (sm_90) kernels, a file each (the forward, the dK/dV passes, the single-pass backward),
+                   their shared device code, configs, tile order and launches (`gluon/__init__` has the layout)
   tuning           tile configs as data: the shipped table and the rule behind it (nothing timed by default)
   autotune         opt-in autotuning: the config lists Triton's autotuner times (`cs336-bench autotune`)
   chooser          which design runs a call: pure functions of its metadata, with the routing table

@@ -1,4 +1,4 @@
-"""The direct C launch of a compiled Triton or Gluon kernel, shared by `flash_triton` and `flash_gluon`.
+"""The direct C launch of a compiled Triton or Gluon kernel, shared by `flash_triton` and `flash.gluon`.
 
 After the first launch of an argument signature both modules call the compiled kernel's C launch function
 directly with the device's current stream, skipping the JIT's argument binding and the runner's per-launch

@@ -1,0 +1,81 @@
+"""The order the Gluon kernels start their programs in (`common.grouped_program`'s (HEAD_GROUP, TAIL)): small
+functions of a call's sizes and the device's L2 and SM count (the package docstring has the rules)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# The share of the L2 that the rows a group of heads streams may fill (`grouped_program`, `head_groups`)
+L2_SHARE = 0.5
+# The last group's work per SM, in its longest programs (`head_groups`)
+TAIL_WORK = 1.5
+
+
+def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
+                device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `heads` along axis 0 whose programs stream
+    `bytes_per_head` each and take `work_per_head` steps per head, `longest` in the longest program: groups of as
+    many heads as fit in L2_SHARE of the L2 (at least one), and a last group large enough for TAIL_WORK longest
+    programs of work per SM. One group of all heads without a device (a CPU compile: both are run-time
+    arguments)."""
+    if device_index is None:
+        return heads, heads
+    props = torch.cuda.get_device_properties(device_index)
+    group = max(1, min(heads, int(L2_SHARE * props.L2_cache_size) // max(bytes_per_head, 1)))
+    least = -(-int(TAIL_WORK * longest * props.multi_processor_count) // max(work_per_head, 1))
+    tail = next((t for t in range(max(group, least), heads) if (heads - t) % group == 0), heads)
+    return group, tail
+
+
+def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
+    starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
+    remainder in the last group. The single pass's order: the L2 rule (`head_groups`) gave a grouped-query call
+    small groups and a last group of most of its lines, which ran the kernel up to 1.5x slower on an H100
+    (runs/ab/single_pass_wave_groups_f032026.jsonl). One group of all lines without a device (a CPU compile)."""
+    if device_index is None:
+        return lines, lines
+    group = max(1, min(lines, torch.cuda.get_device_properties(device_index).multi_processor_count // max(tiles, 1)))
+    return group, group + lines % group if lines > group else lines
+
+
+def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m: int, block_n: int,
+                   single_pass: bool) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys): a two-pass
+    dK/dV pass's `head_groups` over the Q, dO, L and delta rows of its kv head's query heads that its programs
+    stream, a BLOCK_M-query tile per step; a single pass's `wave_groups`."""
+    batch, heads, n_q, d = q4.shape
+    return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
+                           block_n, single_pass, q4.device.index)
+
+
+def fwd_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, rows: int, block_n: int) -> tuple[int, int]:
+    """`head_groups` of a dense forward (grid axis 0: batch·heads; a program per `rows` queries), whose programs
+    stream their kv head's K and V (query heads of one kv head are neighbours on axis 0, so a query head's share is
+    its kv head's rows over the group size), a BLOCK_N-key tile per step. Past as many heads as SMs the plain
+    order's resident programs each read another head's K and V, which the L2 cannot hold for the head's next query
+    tile."""
+    batch, heads, n_q, d = q4.shape
+    return _fwd_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, rows,
+                            block_n, q4.device.index)
+
+
+@functools.cache
+def _fwd_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
+                     rows: int, block_n: int, device_index: int | None) -> tuple[int, int]:
+    steps = [-(-min(i + rows, n_k) // block_n) if is_causal else n_k // block_n for i in range(0, n_q, rows)]
+    return head_groups(batch * heads, -(-2 * n_k * d * item // (heads // kv_heads)), sum(steps), max(steps),
+                       device_index)
+
+
+@functools.cache
+def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
+                    block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
+    if single_pass:
+        return wave_groups(batch * kv_heads, -(-n_k // block_n), device_index)
+    per_query = (heads // kv_heads) * (2 * d * item + 8)
+    steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
+             for j in range(0, n_k, block_n)]
+    return head_groups(batch * kv_heads, n_q * per_query, sum(steps), max(steps), device_index)
