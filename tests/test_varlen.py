@@ -376,7 +376,8 @@ def test_varlen_window_skips_tiles_and_meets_2x_rule(dtype):
 @pytest.mark.parametrize("deterministic", [True, None], ids=["deterministic", "default"])
 def test_varlen_inductor_fullgraph_matches_eager(deterministic):
     """torch.compile(fullgraph=True) with Inductor on the GPU: the opaque ops, bitwise equal to eager; by default
-    (the single pass, dQ summed in fp32 by reductions in no fixed order) dQ only to its accumulation order."""
+    (the single pass, dQ summed in fp32 by reductions in no fixed order) dQ to its accumulation order: within two
+    bf16 steps (2^-7 relative) of its largest value."""
     from cs336_systems import flash_attention_varlen
 
     lengths = long_tailed_lengths(2048, 1024, seed=3)
@@ -391,7 +392,7 @@ def test_varlen_inductor_fullgraph_matches_eager(deterministic):
     compiled = grads_of(torch.compile(step, fullgraph=True), q, k, v, do)
     for name, x, y in zip(("O", "dQ", "dK", "dV"), eager, compiled):
         if name == "dQ" and not deterministic:
-            assert max_err(x, y) <= 1e-3 * x.float().abs().max().item(), f"dQ: compiled differs by {max_err(x, y):.3g}"
+            assert max_err(x, y) <= 2**-7 * x.float().abs().max().item(), f"dQ: compiled differs by {max_err(x, y):.3g}"
         else:
             assert torch.equal(x, y), f"{name}: compiled differs by {max_err(x, y):.3g}"
 
