@@ -94,8 +94,8 @@ own, the device code of several kernels in a module of its own, the tile order's
                          compute tile, kernel: `flash_bwd_single_keys_gluon_kernel`)
   flash_fwd              the forward (producer, softmax step, consumer, kernel: `flash_fwd_gluon_kernel`)
 
-A name is read at call time in the module that holds it: a patch of `fwd_head_groups` (which `interface` calls) or
-of `DESCRIPTORS_PER_ARGUMENT` goes on `interface`, not on this package, which holds copies.
+The names the launches read at call time (`fwd_head_groups`, `kv_head_groups`, `DESCRIPTORS_PER_ARGUMENT`) are not
+re-exported here: a copy on the package would take a patch that the launches never see; patch `interface`.
 """
 
 from cs336_systems.flash.gluon.configs import (
@@ -106,21 +106,17 @@ from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
 from cs336_systems.flash.gluon.flash_fwd import flash_fwd_gluon_kernel
-from cs336_systems.flash.gluon.heuristics import (
-    L2_SHARE, TAIL_WORK, fwd_head_groups, head_groups, kv_head_groups, wave_groups,
-)
+from cs336_systems.flash.gluon.heuristics import L2_SHARE, TAIL_WORK, head_groups, wave_groups
 from cs336_systems.flash.gluon.interface import (
-    DESCRIPTORS_PER_ARGUMENT, GLUON_KERNELS, PACKED_TAIL, UNBOUNDED, Launch, example_launch, forward, forward_launch,
-    kv_launch, kv_pass, launch_cache_size, packed_forward, packed_key_tiles, packed_kv_pass, packed_query_tiles,
-    packed_rows,
+    GLUON_KERNELS, PACKED_TAIL, UNBOUNDED, Launch, example_launch, forward, forward_launch, kv_launch, kv_pass,
+    launch_cache_size, packed_forward, packed_key_tiles, packed_kv_pass, packed_query_tiles, packed_rows,
 )
 
 __all__ = [
-    "CONFIGS", "DESCRIPTORS_PER_ARGUMENT", "FWD_CONFIGS", "GLUON_DTYPES", "GLUON_KERNELS", "L2_SHARE", "MAX_SLOTS",
-    "PACKED_TAIL", "QROWS_CONFIGS", "SINGLE_PASS_CONFIGS", "SINGLE_PASS_KEYS_CONFIGS", "TAIL_WORK", "UNBOUNDED",
-    "Launch", "example_launch", "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel",
-    "flash_bwd_single_keys_gluon_kernel", "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_head_groups",
-    "fwd_supported", "head_groups", "kv_head_groups", "kv_launch", "kv_pass", "launch_cache_size", "packed_forward",
-    "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass", "packed_query_tiles", "packed_rows",
-    "packed_supported", "supported", "wave_groups",
+    "CONFIGS", "FWD_CONFIGS", "GLUON_DTYPES", "GLUON_KERNELS", "L2_SHARE", "MAX_SLOTS", "PACKED_TAIL", "QROWS_CONFIGS",
+    "SINGLE_PASS_CONFIGS", "SINGLE_PASS_KEYS_CONFIGS", "TAIL_WORK", "UNBOUNDED", "Launch", "example_launch",
+    "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel", "flash_bwd_single_keys_gluon_kernel",
+    "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_supported", "head_groups", "kv_launch", "kv_pass",
+    "launch_cache_size", "packed_forward", "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass",
+    "packed_query_tiles", "packed_rows", "packed_supported", "supported", "wave_groups",
 ]
