@@ -664,11 +664,11 @@ def test_gluon_forward_head_groups_cover_every_program(monkeypatch, is_causal):
         assert torch.equal(o, first[0]) and torch.equal(lse, first[1]), f"(HEAD_GROUP, TAIL) = {groups}"
 
 
-def test_gluon_forward_groups_heads_where_the_plain_order_overflows_the_l2(monkeypatch):
-    """`fwd_head_groups` on a stand-in device (132 SMs, 50 MiB of L2): at 8 x 16 x 2048 x 128 (128 heads, more
-    than fit the L2 at once) groups of heads whose K and V fill at most half the L2; grouped-query heads count
-    their kv head's rows once per group of query heads; a window keeps the plain order (the template's group and
-    tail: every head)."""
+def test_gluon_forward_groups_a_wave_of_lines_with_the_tail_rule(monkeypatch):
+    """`fwd_head_groups` on a stand-in device (132 SMs): groups of as many (batch, head) lines as their query tiles
+    fill the SMs once, whole groups before a last group that holds TAIL_WORK longest programs of work per SM (or
+    every line); one group of every line without a device; a window keeps the plain order (the template's group
+    and tail: every head)."""
     from types import SimpleNamespace
 
     from cs336_systems.flash.gluon import heuristics, interface
@@ -676,11 +676,15 @@ def test_gluon_forward_groups_heads_where_the_plain_order_overflows_the_l2(monke
     props = SimpleNamespace(L2_cache_size=50 << 20, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(heuristics, "_fwd_head_groups", heuristics._fwd_head_groups.__wrapped__)
+    # 32 x 16 x 512, 192-row programs, 128-key tiles, causal: 512 lines of 3 programs of 2, 3, 4 key tiles
+    group, tail = heuristics._fwd_head_groups(512, 512, 512, True, 192, 128, 0)
+    assert group == 132 // 3 and (512 - tail) % group == 0
+    assert tail * (2 + 3 + 4) >= heuristics.TAIL_WORK * 4 * 132 > (tail - group) * (2 + 3 + 4)
+    # 1 x 16 x 16384, not causal: 16 lines of 86 programs, a line a group; the tail holds 1.5 programs per SM
+    group, tail = heuristics._fwd_head_groups(16, 16384, 16384, False, 192, 128, 0)
+    assert (group, tail) == (1, 3)
+    assert heuristics._fwd_head_groups(512, 512, 512, True, 192, 128, None) == (512, 512)
     q = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16)
-    group, tail = heuristics._fwd_head_groups(8, 16, 16, 2048, 2048, 128, 2, True, 128, 128, 0)
-    assert 1 < group < 128 and group * 2 * 2048 * 128 * 2 <= heuristics.L2_SHARE * props.L2_cache_size
-    gqa_group, _ = heuristics._fwd_head_groups(8, 16, 4, 2048, 2048, 128, 2, True, 128, 128, 0)
-    assert gqa_group >= 4 * group or gqa_group == 128
     lse = torch.empty(8 * 16, 2048)
     *_, template, _, key = interface._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
     assert template[-2:] == (128, 128)

@@ -52,10 +52,12 @@ group large enough not to leave its longest programs alone at the end (`head_gro
 first the resident programs of a 16-head call read rows of every head, which the L2 cannot hold. The single pass
 takes a wave of lines a group (`wave_groups`: as many kv-head lines as their key tiles fill the SMs once): the L2
 rule gave grouped-query calls, whose lines stream several heads' rows and fp32 dQ, a last group of most lines, and
-the kernel ran up to 1.5x slower. The dense forward does the same with the K and V rows its programs stream
-(`fwd_head_groups`): with more heads than SMs, tile 0 of every head first leaves each resident program on a head
-of its own, and every query tile of a head reads its K and V from memory again. A window keeps the plain order
-(neighbouring tiles read the same band).
+the kernel ran up to 1.5x slower. The dense forward takes a wave of lines a group too, with the two-pass rule's
+last group (`fwd_head_groups`, `tail_group`): with more heads than SMs, tile 0 of every head first leaves each
+resident program on a head of its own, and every query tile of a head reads its K and V from memory again; wave
+groups beat the L2 rule where programs are short, and the tail keeps the longest programs from running alone at
+the end (plain wave groups lost 5% at 1 x 16 x 16384 d 64 causal). A window keeps the plain order (neighbouring
+tiles read the same band).
 
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`), their TMA
 descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
@@ -80,7 +82,8 @@ own, the device code of several kernels in a module of its own, the tile order's
   __init__               this overview, and the host interface the project uses (re-exported from the modules below)
   configs                the tile configs per kernel and head dim; `supported`, `fwd_supported`, `packed_supported`,
                          `packed_fwd_supported`
-  heuristics             the order programs start in: `head_groups`, `wave_groups`, `kv_head_groups`, `fwd_head_groups`
+  heuristics             the order programs start in: `head_groups`, `wave_groups`, `tail_group`, `wave_size`,
+                         `kv_head_groups`, `fwd_head_groups`
   interface              the launches: argument templates over the call's tensors, the compiled launches per signature
                          (`Launch`, C launches, TMA descriptors by address), the launch plans and launchers `kv_pass`,
                          `kv_launch`, `forward`, `forward_launch`, `packed_kv_pass`, `packed_forward` (and their slot
