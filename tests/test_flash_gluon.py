@@ -414,10 +414,12 @@ def test_wave_groups_start_a_wave_of_lines_at_a_time(monkeypatch, lines, tiles, 
     assert flash_gluon.wave_groups(lines, tiles, None) == (lines, lines)
 
 
-def test_kv_head_groups_wave_for_the_single_pass_l2_rule_for_the_two_pass(monkeypatch):
+def test_kv_head_groups_wave_for_the_single_pass_l2_rule_for_the_grouped_two_pass(monkeypatch):
     """`kv_head_groups` at 8 x 16 x 2048 x 128 with 4 kv heads (32 lines of 16 key tiles of 128) on a stand-in
-    device (132 SMs, 50 MiB of L2): the single pass in wave groups (8 lines, 8 in the last), the two-pass dK/dV pass
-    by the L2 rule (as many lines as fit their Q, dO, L and delta rows in L2_SHARE of the L2)."""
+    device (132 SMs, 50 MiB of L2): the single pass in wave groups (8 lines, 8 in the last), the grouped-query
+    two-pass dK/dV pass by the L2 rule (as many lines as fit their Q, dO, L and delta rows in L2_SHARE of the L2);
+    with 16 kv heads at 32 x 512 x 64 (512 lines of 8 key tiles of 64) the two-pass pass in wave groups of 16 lines
+    whose last group holds TAIL_WORK longest programs of work per SM."""
     from types import SimpleNamespace
 
     from cs336_systems.flash.gluon import heuristics
@@ -430,6 +432,11 @@ def test_kv_head_groups_wave_for_the_single_pass_l2_rule_for_the_two_pass(monkey
     per_line = 4 * 2048 * (2 * 64 * 2 + 8)
     assert group * per_line <= heuristics.L2_SHARE * props.L2_cache_size < (group + 1) * per_line
     assert (32 - tail) % group == 0
+    group, tail = groups(32, 16, 16, 512, 512, 64, 2, True, 64, 64, False, 0)
+    steps = [(512 - j) // 64 for j in range(0, 512, 64)]  # a key tile's query tiles, causal
+    assert group == 132 // 8 and (512 - tail) % group == 0
+    assert tail * sum(steps) >= heuristics.TAIL_WORK * max(steps) * 132 > (tail - group) * sum(steps)
+    assert groups(32, 16, 16, 512, 512, 64, 2, True, 64, 64, False, None) == (512, 512)
 
 
 def test_gluon_launch_keys_hold_the_grid():

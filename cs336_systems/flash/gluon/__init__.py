@@ -47,8 +47,9 @@ query tile and every query head of its GQA group that sees it) in one of two lay
   H200 it ties the Triton pass at d 64 and gains a little at d 128, long sequences.
 
 The dK/dV passes start their programs a few heads at a time (`grouped_program`, `kv_head_groups`). The two-pass
-dK/dV pass takes as many heads as fit the rows its programs stream (Q, dO, L, delta) in half the L2, then a last
-group large enough not to leave its longest programs alone at the end (`head_groups`); with tile 0 of every head
+dK/dV pass of grouped-query heads takes as many heads as fit the rows its programs stream (Q, dO, L, delta) in half
+the L2, then a last group large enough not to leave its longest programs alone at the end (`head_groups`; without
+grouped-query heads, a wave of lines a group with that last group, as the forward below); with tile 0 of every head
 first the resident programs of a 16-head call read rows of every head, which the L2 cannot hold. The single pass
 takes a wave of lines a group (`wave_groups`: as many kv-head lines as their key tiles fill the SMs once): the L2
 rule gave grouped-query calls, whose lines stream several heads' rows and fp32 dQ, a last group of most lines, and
