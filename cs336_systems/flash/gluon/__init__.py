@@ -83,8 +83,8 @@ own, the device code of several kernels in a module of its own, the tile order's
   __init__               this overview, and the host interface the project uses (re-exported from the modules below)
   configs                the tile configs per kernel and head dim; `supported`, `fwd_supported`, `packed_supported`,
                          `packed_fwd_supported`
-  heuristics             the order programs start in: `head_groups`, `wave_groups`, `tail_group`, `wave_size`,
-                         `kv_head_groups`, `fwd_head_groups`
+  heuristics             the order programs start in: `head_groups`, `wave_groups`, `wave_tail_groups` (`wave_size`,
+                         `tail_group`), `kv_head_groups`, `fwd_head_groups`
   interface              the launches: argument templates over the call's tensors, the compiled launches per signature
                          (`Launch`, C launches, TMA descriptors by address), the launch plans and launchers `kv_pass`,
                          `kv_launch`, `forward`, `forward_launch`, `packed_kv_pass`, `packed_forward` (and their slot

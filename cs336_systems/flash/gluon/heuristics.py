@@ -41,6 +41,16 @@ def wave_size(lines: int, tiles: int, sms: int) -> int:
     return max(1, min(lines, sms // max(tiles, 1)))
 
 
+def wave_tail_groups(lines: int, steps: list[int], device_index: int | None) -> tuple[int, int]:
+    """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `lines` along axis 0 whose programs take `steps` a line
+    (a program each): groups of `wave_size` lines and their `tail_group`. One group of all lines without a device."""
+    if device_index is None:
+        return lines, lines
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    group = wave_size(lines, len(steps), sms)
+    return group, tail_group(lines, group, sum(steps), max(steps, default=0), sms)
+
+
 def wave_groups(lines: int, tiles: int, device_index: int | None) -> tuple[int, int]:
     """(HEAD_GROUP, TAIL) of `grouped_program` for a grid of `lines` along axis 0 and `tiles` programs a line that
     starts a wave at a time: groups of as many lines as their programs fill the SMs once (at least one), the
@@ -57,10 +67,10 @@ def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m:
                    single_pass: bool) -> tuple[int, int]:
     """(HEAD_GROUP, TAIL) of a dK/dV pass (grid axis 0: batch·kv heads; a program per BLOCK_N keys, a BLOCK_M-query
     tile of each of its kv head's query heads per step): a single pass's `wave_groups`; a two-pass dK/dV pass's
-    wave groups with the `tail_group` of their work where a kv head serves one query head, and `head_groups` over
-    the Q, dO, L and delta rows its programs stream where it serves several. On an H100, against the L2 rule, wave
-    groups with the tail took the 16-head calls' pass 0.78-1.02x (0.78x at 32 x 512 d 64 not causal) but grouped-query
-    16:4 d 64 causal ones 1.02-1.05x, whose programs are four heads long (runs/ab/wave_groups_tail_c1f98a0.jsonl)."""
+    `wave_tail_groups` where a kv head serves one query head, and `head_groups` over the Q, dO, L and delta rows its
+    programs stream where it serves several. On an H100, against the L2 rule, wave groups with the tail took the
+    16-head calls' pass 0.78-1.02x (0.78x at 32 x 512 d 64 not causal) but grouped-query 16:4 d 64 causal ones
+    1.02-1.05x, whose programs are four heads long (runs/ab/wave_groups_tail_c1f98a0.jsonl)."""
     batch, heads, n_q, d = q4.shape
     return _kv_head_groups(batch, heads, k4.shape[1], n_q, k4.shape[2], d, q4.element_size(), is_causal, block_m,
                            block_n, single_pass, q4.device.index)
@@ -68,11 +78,11 @@ def kv_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, block_m:
 
 def fwd_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, rows: int, block_n: int) -> tuple[int, int]:
     """(HEAD_GROUP, TAIL) of a dense forward (grid axis 0: batch·heads; a program per `rows` queries, a BLOCK_N-key
-    tile per step): groups of a wave of lines (`wave_size`: a line's programs run together and share its K and V in
-    the L2; past as many heads as SMs the plain order's resident programs each read another head's K and V, which
-    the L2 cannot hold for the head's next query tile) and the `tail_group` of their work. Against the L2 rule
-    (`head_groups`) on an H100: 0.92-1.01x, faster where programs are short (16 x 1024 d 128 causal 0.92x)
-    (runs/ab/wave_groups_tail_c1f98a0.jsonl)."""
+    tile per step): `wave_tail_groups` (a wave of lines a group: a line's programs run together and share its K and
+    V in the L2; past as many heads as SMs the plain order's resident programs each read another head's K and V,
+    which the L2 cannot hold for the head's next query tile). Against the L2 rule (`head_groups`) on an H100:
+    0.92-1.01x, faster where programs are short (16 x 1024 d 128 causal 0.92x;
+    runs/ab/wave_groups_tail_c1f98a0.jsonl)."""
     batch, heads, n_q, _ = q4.shape
     return _fwd_head_groups(batch * heads, n_q, k4.shape[2], is_causal, rows, block_n, q4.device.index)
 
@@ -80,26 +90,18 @@ def fwd_head_groups(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, rows: i
 @functools.cache
 def _fwd_head_groups(lines: int, n_q: int, n_k: int, is_causal: bool, rows: int, block_n: int,
                      device_index: int | None) -> tuple[int, int]:
-    if device_index is None:
-        return lines, lines
     steps = [-(-min(i + rows, n_k) // block_n) if is_causal else n_k // block_n for i in range(0, n_q, rows)]
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    group = wave_size(lines, len(steps), sms)
-    return group, tail_group(lines, group, sum(steps), max(steps), sms)
+    return wave_tail_groups(lines, steps, device_index)
 
 
 @functools.cache
 def _kv_head_groups(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, d: int, item: int, is_causal: bool,
                     block_m: int, block_n: int, single_pass: bool, device_index: int | None) -> tuple[int, int]:
-    lines, tiles = batch * kv_heads, -(-n_k // block_n)
+    lines = batch * kv_heads
     if single_pass:
-        return wave_groups(lines, tiles, device_index)
+        return wave_groups(lines, -(-n_k // block_n), device_index)
     steps = [(heads // kv_heads) * (max(n_q - j, 0) if is_causal else n_q) // block_m
              for j in range(0, n_k, block_n)]
     if heads > kv_heads:
         return head_groups(lines, n_q * (heads // kv_heads) * (2 * d * item + 8), sum(steps), max(steps), device_index)
-    if device_index is None:
-        return lines, lines
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    group = wave_size(lines, tiles, sms)
-    return group, tail_group(lines, group, sum(steps), max(steps), sms)
+    return wave_tail_groups(lines, steps, device_index)
