@@ -54,7 +54,7 @@ first the resident programs of a 16-head call read rows of every head, which the
 takes a wave of lines a group (`wave_groups`: as many kv-head lines as their key tiles fill the SMs once): the L2
 rule gave grouped-query calls, whose lines stream several heads' rows and fp32 dQ, a last group of most lines, and
 the kernel ran up to 1.5x slower. The dense forward takes a wave of lines a group too, with the two-pass rule's
-last group (`fwd_head_groups`, `tail_group`): with more heads than SMs, tile 0 of every head first leaves each
+last group (`fwd_head_groups`, `wave_tail_groups`): with more heads than SMs, tile 0 of every head first leaves each
 resident program on a head of its own, and every query tile of a head reads its K and V from memory again; wave
 groups beat the L2 rule where programs are short, and the tail keeps the longest programs from running alone at
 the end (plain wave groups lost 5% at 1 x 16 x 16384 d 64 causal). A window keeps the plain order (neighbouring
