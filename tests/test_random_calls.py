@@ -2,7 +2,8 @@
 dims; packed batches with empty documents and documents without keys), forward and backward against float64.
 
 The other tests check each option on its own; these check that combinations of them hold. On the CPU the kernels
-run through Triton's interpreter: sizes stay tiny. fp32 inputs: the bound follows the matmul precision.
+run through Triton's interpreter: sizes stay tiny. fp32 inputs: the bound follows the matmul precision; bf16 and fp16
+inputs: at most twice the error of the attention materialized in their dtype.
 """
 
 from __future__ import annotations
@@ -114,3 +115,30 @@ def test_random_packed_calls_match_float64(seed):
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
             err = max_err(x, ref) if x.numel() else 0.0
             assert err <= bound(), f"{case}: {name} max |ours - fp64| = {err:.3g}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_low_precision_calls_meet_the_2x_rule(seed):
+    """bf16 and fp16 random dense calls (grouped-query heads, windows, odd lengths): each of O, dQ, dK, dV at most
+    twice the error of the same attention materialized in the input dtype, both against float64."""
+    rnd = random.Random(200 + seed)
+    gen = torch.Generator().manual_seed(200 + seed)
+    for _ in range(5):
+        dtype = rnd.choice([torch.bfloat16, torch.float16])
+        kv_heads, group, n, d = rnd.choice([1, 2]), rnd.choice([1, 2]), rnd.choice([16, 17, 64, 100, 130]), \
+            rnd.choice([16, 64, 128])
+        is_causal, window = rnd.random() < 0.5, rnd.choice([(-1, -1), (8, 0), (20, 20)])
+        q = torch.randn(1, kv_heads * group, n, d, generator=gen).to(DEVICE)
+        k, v = (torch.randn(1, kv_heads, n, d, generator=gen).to(DEVICE) for _ in range(2))
+        do = torch.randn(q.shape, generator=gen).to(DEVICE)
+        low = [t.to(dtype) for t in (q, k, v)]
+        ours = grads(lambda q, k, v: flash_attention(q, k, v, is_causal=is_causal, window=window,
+                                                     enable_gqa=group > 1), low, do.to(dtype))
+        same = grads(lambda q, k, v: band_reference(q, k, v, is_causal, window), low, do.to(dtype))
+        exact = grads(lambda q, k, v: band_reference(q, k, v, is_causal, window), [t.double() for t in (q, k, v)],
+                      do.double())
+        case = dict(dtype=dtype, heads=kv_heads * group, kv_heads=kv_heads, n=n, d=d, is_causal=is_causal,
+                    window=window)
+        for name, x, base, ref in zip(("O", "dQ", "dK", "dV"), ours, same, exact):
+            err, base_err = max_err(x, ref), max_err(base, ref)
+            assert err <= 2 * base_err + 1e-5, f"{case}: {name} {err:.3g} > 2 x {dtype} reference's {base_err:.3g}"
