@@ -74,6 +74,14 @@ def run(fn, q, k, v, do, *args):
     return o.detach(), q.grad, k.grad, v.grad
 
 
+def grads_of(fn, q, k, v, do):
+    """fn(q, k, v) and dQ, dK, dV for dO (leaf copies of q, k, v; zeros for an input the output does not reach)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do, allow_unused=True)
+    return [o.detach()] + [torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), grads)]
+
+
 def max_err(x, ref):
     return (x.double() - ref.double()).abs().max().item()
 

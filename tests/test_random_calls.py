@@ -15,21 +15,13 @@ import torch
 
 from cs336_systems.flash_triton import flash_attention, flash_attention_varlen
 
-from .helpers import DEVICE, band_reference, max_err
+from .helpers import DEVICE, band_reference, grads_of, max_err
 
 WINDOWS = [(-1, -1), (-1, -1), (3, 0), (8, 8), (0, 5), (200, -1), (-1, 2)]
 
 
 def bound() -> float:
     return 2e-3 if torch.get_float32_matmul_precision() == "highest" else 5e-2
-
-
-def grads(fn, tensors, do):
-    """fn's output and the gradients of leaf copies of tensors (zeros where a tensor gets none)."""
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    o = fn(*leaves)
-    got = torch.autograd.grad(o, leaves, do, allow_unused=True)
-    return [o.detach()] + [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
 
 def reference(q, k, v, is_causal, window, scale):
@@ -70,9 +62,9 @@ def test_random_dense_calls_match_float64(seed):
         kwargs = dict(is_causal=c["is_causal"], window=c["window"], enable_gqa=c["heads"] != c["kv_heads"])
         if c["scale"] is not None:
             kwargs["scale"] = c["scale"]
-        ours = grads(lambda q, k, v: flash_attention(q, k, v, **kwargs), (q, k, v), do)
-        exact = grads(lambda q, k, v: reference(q, k, v, c["is_causal"], c["window"], scale),
-                      [t.double() for t in (q, k, v)], do.double())
+        ours = grads_of(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v, do)
+        exact = grads_of(lambda q, k, v: reference(q, k, v, c["is_causal"], c["window"], scale),
+                         *(t.double() for t in (q, k, v)), do.double())
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
             err = max_err(x, ref)
             assert err <= bound(), f"{c}: {name} max |ours - fp64| = {err:.3g}"
@@ -106,10 +98,10 @@ def test_random_packed_calls_match_float64(seed):
         q = torch.randn(sum(lengths_q), kv_heads * group, d, generator=gen).to(DEVICE)
         k, v = (torch.randn(sum(lengths_k), kv_heads, d, generator=gen).to(DEVICE) for _ in range(2))
         do = torch.randn(q.shape, generator=gen).to(DEVICE)
-        ours = grads(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                            is_causal=is_causal, window=window), (q, k, v), do)
-        exact = grads(lambda q, k, v: packed_reference(q, k, v, cu_q, cu_k, is_causal, window),
-                      [t.double() for t in (q, k, v)], do.double())
+        ours = grads_of(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                               is_causal=is_causal, window=window), q, k, v, do)
+        exact = grads_of(lambda q, k, v: packed_reference(q, k, v, cu_q, cu_k, is_causal, window),
+                         *(t.double() for t in (q, k, v)), do.double())
         case = dict(lengths_q=lengths_q, lengths_k=lengths_k, heads=kv_heads * group, kv_heads=kv_heads, d=d,
                     is_causal=is_causal, window=window)
         for name, x, ref in zip(("O", "dQ", "dK", "dV"), ours, exact):
@@ -132,11 +124,11 @@ def test_random_low_precision_calls_meet_the_2x_rule(seed):
         k, v = (torch.randn(1, kv_heads, n, d, generator=gen).to(DEVICE) for _ in range(2))
         do = torch.randn(q.shape, generator=gen).to(DEVICE)
         low = [t.to(dtype) for t in (q, k, v)]
-        ours = grads(lambda q, k, v: flash_attention(q, k, v, is_causal=is_causal, window=window,
-                                                     enable_gqa=group > 1), low, do.to(dtype))
-        same = grads(lambda q, k, v: band_reference(q, k, v, is_causal, window), low, do.to(dtype))
-        exact = grads(lambda q, k, v: band_reference(q, k, v, is_causal, window), [t.double() for t in (q, k, v)],
-                      do.double())
+        ours = grads_of(lambda q, k, v: flash_attention(q, k, v, is_causal=is_causal, window=window,
+                                                        enable_gqa=group > 1), *low, do.to(dtype))
+        same = grads_of(lambda q, k, v: band_reference(q, k, v, is_causal, window), *low, do.to(dtype))
+        exact = grads_of(lambda q, k, v: band_reference(q, k, v, is_causal, window), *(t.double() for t in (q, k, v)),
+                         do.double())
         case = dict(dtype=dtype, heads=kv_heads * group, kv_heads=kv_heads, n=n, d=d, is_causal=is_causal,
                     window=window)
         for name, x, base, ref in zip(("O", "dQ", "dK", "dV"), ours, same, exact):

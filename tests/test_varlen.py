@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .helpers import DEVICE, band_mask, max_err
+from .helpers import DEVICE, band_mask, grads_of, max_err
 
 FP32_BOUND = 1e-4  # fp32 (IEEE dots in the interpreter) against float64
 
@@ -48,14 +48,6 @@ def reference_packed(q, k, v, lengths_q, lengths_k, is_causal, window):
             outs.append(q.new_zeros(n_q, q.shape[1], q.shape[2]) + 0 * qs.sum())
         q0, k0 = q0 + n_q, k0 + n_k
     return torch.cat(outs)
-
-
-def grads_of(fn, q, k, v, do):
-    """fn(q, k, v) and dQ, dK, dV for dO (leaf copies of q, k, v)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fn(q, k, v)
-    grads = torch.autograd.grad(o, (q, k, v), do, allow_unused=True)
-    return [o.detach()] + [torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), grads)]
 
 
 def ours_packed(q, k, v, do, lengths_q, lengths_k, is_causal, window, **keywords):
