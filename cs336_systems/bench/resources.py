@@ -14,8 +14,9 @@ instructions are serialized"), which the PTX does not show: each wgmma then wait
 Often a large slowdown (docs/design.md), not always (the forward's 128×128/4/3 config is
 among the fastest at d 64 with one). And the kernel's hot loops from its SASS (Triton's nvdisasm): the
 innermost loops holding matrix instructions, each with its instruction count and its local-memory loads and
-stores (spills there cost every iteration; ptxas's spill bytes do not say where they are). Nothing is timed;
-rows say `gpu: none`.
+stores (spills there cost every iteration; ptxas's spill bytes do not say where they are), and what one pass
+issues when the branches inside it skip (a mask behind a uniform branch is in the count, not in the tiles it
+skips). Nothing is timed; rows say `gpu: none`.
 """
 
 from __future__ import annotations
@@ -142,10 +143,10 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     }
 
 
-def hot_loops(sass: str) -> str:
-    """The innermost loops of a kernel's SASS (nvdisasm -c) that hold matrix instructions (HGMMA, HMMA), in address
-    order, each as "instructions:local loads/local stores" (e.g. "1137:4/0"); "" where there is none. A loop is a
-    predicated branch back to a label (an unpredicated one is a wait's retry path, not a loop)."""
+def _matrix_loops(sass: str) -> tuple[list[tuple[int, str]], dict[str, int], list[tuple[int, int]]]:
+    """A kernel's SASS (nvdisasm -c) as its instructions (address, text), its labels' addresses, and its innermost
+    loops that hold matrix instructions (HGMMA, HMMA) as (first, last) indices of the instructions, in address order.
+    A loop is a predicated branch back to a label (an unpredicated one is a wait's retry path, not a loop)."""
     code, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -159,15 +160,45 @@ def hot_loops(sass: str) -> str:
             pending = []
             code.append((address, instruction.group(2)))
     loops = []
-    for address, text in code:
+    for last, (address, text) in enumerate(code):
         back = re.match(r"@!?U?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", text)
         if back and labels[back.group(1)] <= address:
-            body = [t for a, t in code if labels[back.group(1)] <= a <= address]
-            if any(re.search(r"\bHG?MMA\b", t) for t in body):
-                loops.append((labels[back.group(1)], address, body))
-    inner = [(a, b, body) for a, b, body in loops
-             if not any((a, b) != (c, d) and a <= c and d <= b for c, d, _ in loops)]
-    return " ".join(f"{len(body)}:{_count(body, 'LDL')}/{_count(body, 'STL')}" for _, _, body in sorted(inner))
+            first = next(i for i, (a, _) in enumerate(code) if a >= labels[back.group(1)])
+            if any(re.search(r"\bHG?MMA\b", t) for _, t in code[first:last + 1]):
+                loops.append((first, last))
+    inner = [(a, b) for a, b in loops if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
+    return code, labels, inner
+
+
+def hot_loops(sass: str) -> str:
+    """The innermost loops of a kernel's SASS that hold matrix instructions (`_matrix_loops`), in address order, each
+    as "instructions:local loads/local stores" (e.g. "1137:4/0"); "" where there is none."""
+    code, _, loops = _matrix_loops(sass)
+    bodies = [[t for _, t in code[a:b + 1]] for a, b in loops]
+    return " ".join(f"{len(body)}:{_count(body, 'LDL')}/{_count(body, 'STL')}" for body in bodies)
+
+
+def hot_loops_issued(sass: str) -> str:
+    """Per loop of `hot_loops`, the instructions one pass issues when each forward branch inside the loop is taken:
+    the path that skips what a uniform branch guards (a mask on the tiles it does not cut), which the static count
+    holds but those tiles do not issue. A branch out of the loop (a wait's retry path) counts as not taken."""
+    code, labels, loops = _matrix_loops(sass)
+    issued = []
+    for a, b in loops:
+        index = {code[i][0]: i for i in range(a, b + 1)}
+        fewest = {a: 1}  # the fewest instructions issued from the loop's first to each reachable one
+        for i in range(a, b):
+            if i not in fewest:
+                continue
+            branch = re.match(r"(@!?U?P\d+\s+)?BRA\s+(?:U?P\d+,\s*)?`\((\.L_x_\d+)\)", code[i][1])
+            target = index.get(labels[branch.group(2)]) if branch else None
+            steps = [] if branch and branch.group(1) is None and target is not None else [i + 1]
+            if target is not None and target > i:
+                steps.append(target)
+            for step in steps:
+                fewest[step] = min(fewest.get(step, b - a + 2), fewest[i] + 1)
+        issued.append(str(fewest.get(b, b - a + 1)))
+    return " ".join(issued)
 
 
 def _count(code: list[str], opcode: str) -> int:
@@ -257,6 +288,7 @@ def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict,
     try:
         compiled = compile_config(fn, launch, constexprs, num_warps, num_stages, arch)
         usage = ptxas_usage(compiled.asm["ptx"], arch)
+        sass = sass_of(compiled.asm["cubin"])
     except (CompilationError, subprocess.CalledProcessError, RuntimeError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         rec.skip(fields, f"error: {type(e).__name__}: {detail[-300:]}")
@@ -266,7 +298,8 @@ def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict,
         "shared_mem_bytes": compiled.metadata.shared,
         "warps_per_sm_by_registers": warps_per_sm(usage["registers"], warps_per_cta),
         "wgmma": "wgmma" in compiled.asm["ptx"],
-        "hot_loops": hot_loops(sass_of(compiled.asm["cubin"])),
+        "hot_loops": hot_loops(sass),
+        "hot_loops_issued": hot_loops_issued(sass),
         "status": "ok",
     })
 
@@ -277,7 +310,7 @@ def render(rows: list[Row], out: Output) -> list[str]:
     fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
     headers = ["kernel", "config (tiles/warps/stages)", "TMA", "registers", "spill store/load B", "stack B",
                "shared mem KiB", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized",
-               "hot loops (instr:LDL/STL)"]
+               "hot loops (instr:LDL/STL)", "hot loops, issued a pass"]
 
     def tma(r: Row) -> str:  # rows before the TMA option compiled the block-pointer path
         return {True: "yes", False: "no"}.get(r.get("use_tma"), "no (not recorded)")
@@ -287,8 +320,8 @@ def render(rows: list[Row], out: Output) -> list[str]:
             [r["mode"], r["variant"], tma(r), r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
              r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"],
              r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded"),
-             r.get("hot_loops", "not recorded") or "none"]
-            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", ""]
+             r.get("hot_loops", "not recorded") or "none", r.get("hot_loops_issued", "not recorded") or "none"]
+            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", "", ""]
             for r in group
         ]
         sections.append(
@@ -296,7 +329,8 @@ def render(rows: list[Row], out: Output) -> list[str]:
             "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers; a C75xx code "
             "in the serialized column means ptxas serializes the kernel's wgmmas (a potential, often large, loss); "
             "hot loops: the innermost loops holding matrix instructions, their instructions and local-memory "
-            "loads/stores (spills paid every iteration)\n\n"
+            "loads/stores (spills paid every iteration); issued a pass: what one pass issues when the branches "
+            "inside it skip (a mask's code on the tiles it does not cut)\n\n"
             + report.markdown(headers, body)
         )
     return sections

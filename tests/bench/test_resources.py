@@ -111,6 +111,32 @@ def test_hot_loops_reads_the_innermost_matrix_loops_of_the_sass():
     assert resources_bench.hot_loops(SASS.replace("HGMMA", "FFMA")) == ""
 
 
+# a loop whose mask (two selects) sits behind a forward branch, with a wait's retry path out of the loop
+MASKED_LOOP = """
+.L_x_1:
+        /*0000*/                   STL [R1+0x84], R0 ;
+        /*0010*/               @P2 BRA `(.L_x_5) ;
+        /*0020*/                   FSEL R4, R4, -INF , P3 ;
+        /*0030*/                   FSEL R5, R5, -INF , P3 ;
+.L_x_5:
+        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR16+0x38940], R3 ;
+        /*0050*/              @!P1 BRA `(.L_x_9) ;
+        /*0060*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16].tnspA.tnspB, RZ, !UPT ;
+        /*0070*/               @P0 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+.L_x_9:
+        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR16+0x38940], R3 ;
+        /*00a0*/                   BRA `(.L_x_5) ;
+"""
+
+
+def test_hot_loops_issued_skips_what_a_branch_inside_the_loop_guards():
+    assert resources_bench.hot_loops(MASKED_LOOP) == "8:0/1"
+    assert resources_bench.hot_loops_issued(MASKED_LOOP) == "6"  # the two selects skipped, the retry path not taken
+    assert resources_bench.hot_loops_issued(SASS) == "4"  # no branch inside: every instruction
+    assert resources_bench.hot_loops_issued(SASS.replace("HGMMA", "FFMA")) == ""
+
+
 def test_resources_refuses_gluon_kernels_off_sm90(tmp_path):
     done = _resources(tmp_path, "--kernels", "flash_fwd_gluon", "--arch", "80")
     assert done.returncode == 2 and "written for sm_90" in done.stderr, done.stderr
