@@ -66,20 +66,17 @@ def make_inputs(shape, dtype, device, scale=1.0, seed=0):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
 
 
-def run(fn, q, k, v, do, *args):
-    """Output and grads of fn(q, k, v, *args) on leaf copies of q, k, v."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fn(q, k, v, *args)
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
-
-
 def grads_of(fn, q, k, v, do):
     """fn(q, k, v) and dQ, dK, dV for dO (leaf copies of q, k, v; zeros for an input the output does not reach)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o = fn(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do, allow_unused=True)
     return [o.detach()] + [torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), grads)]
+
+
+def run(fn, q, k, v, do, *args):
+    """Output and grads of fn(q, k, v, *args) on leaf copies of q, k, v (`grads_of`)."""
+    return tuple(grads_of(lambda q, k, v: fn(q, k, v, *args), q, k, v, do))
 
 
 def max_err(x, ref):
