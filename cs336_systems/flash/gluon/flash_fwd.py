@@ -20,9 +20,9 @@ REGS_3WG = gl.constexpr(160)
 # The forward, warp-specialized (FlashAttention-3's schedule on Hopper)
 # ----------------------------------------------------------------------------------------------
 #
-# One program per WARPGROUPS·BLOCK_M query rows: a one-warp producer loads Q once and streams K and V
-# tiles of BLOCK_N keys through a TMA ring; WARPGROUPS (2 or 3) consumer warpgroups own BLOCK_M query rows
-# each and share every K/V tile. Per key tile j a consumer
+# One program per WARPGROUPS·BLOCK_M query rows: Q is loaded once, at the program's entry, and a one-warp
+# producer streams K and V tiles of BLOCK_N keys through a TMA ring; WARPGROUPS (2 or 3) consumer
+# warpgroups own BLOCK_M query rows each and share every K/V tile. Per key tile j a consumer
 #     issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in its turn, hands the turn to the next warpgroup,
 #     waits for S_j (P_{j-1}·V_{j-1} may still run) and frees K_j, computes P_j = exp2(S_j·scale·log2 e - m_j),
 #     waits for its next turn, then for P_{j-1}·V_{j-1}, frees V_{j-1} and rescales O by exp2(m_{j-1} - m_j),
@@ -32,7 +32,7 @@ REGS_3WG = gl.constexpr(160)
 # the tensor cores busy; at d 128 two suffice.)
 #
 # Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
-#   q_bar      producer -> consumers: Q            ready_k[s], ready_v[s]  producer -> consumers: K, V in stage s
+#   q_bar      entry -> consumers: Q               ready_k[s], ready_v[s]  producer -> consumers: K, V in stage s
 #   empty_k[s], empty_v[s]  consumers (all) -> producer: K (after S), V (after P·V) of stage s read
 #   turn[r]    consumer r - 1 (mod WARPGROUPS) -> consumer r: r may issue its matmuls
 # K and V are released apart: a consumer takes its next turn before its wait for P_{j-1}·V_{j-1} (below),
@@ -41,12 +41,8 @@ REGS_3WG = gl.constexpr(160)
 
 
 @gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, q_row,
-                  q_col, kv_row, kv_col, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARPGROUPS: gl.constexpr):
-    mbarrier.expect(q_bar, WARPGROUPS * q_desc.block_type.nbytes)
-    for r in gl.static_range(WARPGROUPS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + r * BLOCK_M, q_col], q_bar, q_smem.index(r))
+def _fwd_producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row, kv_col, n_tiles,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     for j in range(n_tiles):
         s = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1
@@ -315,6 +311,10 @@ def flash_fwd_gluon_kernel(
     empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    # Q's loads here, at entry: the partitions (the producer's too) start later
+    mbarrier.expect(q_bar, WARPGROUPS * q_desc.block_type.nbytes)
+    for r in gl.static_range(WARPGROUPS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + r * BLOCK_M, q_col], q_bar, q_smem.index(r))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_k.index(i), count=1)
         mbarrier.init(ready_v.index(i), count=1)
@@ -331,9 +331,8 @@ def flash_fwd_gluon_kernel(
             (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
                              L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
                              BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 1)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, q_col, kv_row + k_first, kv_col, n_tiles, BLOCK_M, BLOCK_N, STAGES,
-                             WARPGROUPS)),
+            (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row + k_first,
+                             kv_col, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
@@ -346,7 +345,6 @@ def flash_fwd_gluon_kernel(
             (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
                              L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
                              BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 2)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k,
-                             empty_v, q_row, q_col, kv_row + k_first, kv_col, n_tiles, BLOCK_M, BLOCK_N, STAGES,
-                             WARPGROUPS)),
+            (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row + k_first,
+                             kv_col, n_tiles, BLOCK_N, STAGES)),
         ], [4, 4, 1], [REGS_3WG, REGS_3WG, 24])
