@@ -324,7 +324,8 @@ def impl_color(name: str) -> str:
 
 
 def slug(*parts: Any) -> str:
-    return "_".join(str(p).replace(".", "p").replace("/", "-").replace(" ", "") for p in parts)
+    """A file name's stem from parts (an ablation's "flash_triton:<variant>" too: no ":" in a file name)."""
+    return "_".join(str(p).replace(".", "p").replace("/", "-").replace(":", "-").replace(" ", "") for p in parts)
 
 
 TITLE_INCHES = 0.45

@@ -190,3 +190,11 @@ def test_smoke_plots_say_so_in_their_title(tmp_path, monkeypatch):
     fig, _ = report.new_figure(1)
     report.Output(tmp_path).save(fig, "real", "a real run")
     assert fig.get_suptitle() == "a real run"
+
+
+def test_plot_names_hold_no_colon():
+    """An ablation's implementation name ("flash_triton:<variant>") names plots too: no ":" in a file name."""
+    from cs336_systems.bench.report import slug
+
+    name = slug("model", 256, "flash_triton:gluon_everywhere", "bf16", " NVIDIA H100")
+    assert ":" not in name and " " not in name and name == "model_256_flash_triton-gluon_everywhere_bf16_NVIDIAH100"
