@@ -25,14 +25,13 @@ k/v head when grouped, d 16) and host point that run on the CPU through the Trit
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cs336_systems.bench import impls, options, report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.report import Output, Row
-from cs336_systems.bench.timing import inputs_bytes
+from cs336_systems.bench.timing import inputs_bytes, interleaved_rounds, median_of_rounds
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +169,7 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
     times every implementation and mode once); nothing when all its rows are done."""
     import torch
 
-    from cs336_systems.bench.timing import attention_flops, bench, free_memory, host_times, peak_memory_mib, torch_dtype
+    from cs336_systems.bench.timing import attention_flops, bench, host_times, peak_memory_mib, torch_dtype
 
     device = rec.device
     shape = dict(section=section, dtype=point.dtype, batch=point.batch, n_heads=point.n_heads,
@@ -211,29 +210,12 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
             result.update(host_times(call, device, iters=args.iters, warmup=args.warmup))
         return {**result, "peak_mem_mb": peak_memory_mib(device)}
 
-    # rounds: a host whose speed drifts (a shared machine) then slows every implementation alike, not only the
-    # one timed during a slow spell; a measurement that fails is not tried again and becomes its row
-    rounds: dict[tuple[str, str], list[Row] | BaseException] = {(name, mode): [] for name in order for mode in modes}
-    for _ in range(args.rounds):
-        for name in order:
-            for mode in modes:
-                done = rounds[name, mode]
-                if isinstance(done, BaseException):
-                    continue
-                free_memory(device)
-                try:
-                    done.append(measure(name, mode))
-                except Exception as e:  # (kept for its row: `rec.measure` records it as OOM, unsupported or error)
-                    rounds[name, mode] = e
-    free_memory(device)
+    rounds = interleaved_rounds([(name, mode) for name in order for mode in modes], args.rounds, measure, device)
 
     rows: list[Row] = []
 
     def aggregate(name: str, mode: str) -> Row:
-        done = rounds[name, mode]
-        if isinstance(done, BaseException):
-            raise done
-        result = median_round(done)
+        result = median_of_rounds(rounds[name, mode])
         refs = {REFERENCES[r["impl"]]: r["ms"] for r in rows if r["mode"] == mode and report.ok(r)
                 and r["impl"] in REFERENCES}
         return {**result, **{field: result["ms"] / refs[field] if field in refs else None
@@ -244,19 +226,6 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
             flops = attention_flops(mode, point.batch, point.n_heads, point.seq_len, point.d_head, point.is_causal)
             rows.append(rec.measure(fields(name, mode), lambda: aggregate(name, mode), flops=flops))
     return rows
-
-
-def median_round(results: list[Row]) -> Row:
-    """One row's metrics from its rounds: the round of the median `ms` (the lower middle one of an even count), with
-    every round's ms (`ms_rounds`), the median host time where measured, and the largest peak memory."""
-    ordered = sorted(results, key=lambda r: r["ms"])
-    row = dict(ordered[(len(ordered) - 1) // 2])
-    row["ms_rounds"] = [r["ms"] for r in results]
-    if "host_us" in row:
-        row["host_us"] = statistics.median(r["host_us"] for r in results)
-    peaks = [r["peak_mem_mb"] for r in results if r.get("peak_mem_mb") is not None]
-    row["peak_mem_mb"] = max(peaks) if peaks else None
-    return row
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """benchmarking_script / torch_compile(b): end-to-end BasicsTransformerLM timing and memory.
 
 Random weights and data (vocab 10,000, batch 4; `--tokens N` instead: batch N // context per context length,
-so that every context runs the same tokens per step). For every model size x context length x attention
-impl x {eager, compiled}: `--warmup` untimed steps, then `--steps` timed steps (device synchronized
-after each) of each mode:
+so that every context runs the same tokens per step). For every model size x context length x {eager, compiled},
+one model whose attention is each impl in turn, in `--rounds` interleaved rounds (a row keeps its median round):
+`--warmup` untimed steps, then `--steps` timed steps (device synchronized after each) of each mode:
   fwd      forward + loss
   bwd      backward of the loss only (the forward runs untimed before each step)
   fwd_bwd  forward + loss + backward
@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--warmup", full=5, smoke=1, help="untimed warm-up steps per mode", type=nonnegative_int)
     add_sized(p, "--steps", full=10, smoke=2, help="timed steps per mode", type=positive_int)
     p.add_argument("--vocab", type=positive_int, default=10_000, help="vocabulary size")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="interleaved rounds: each times every implementation and mode once on one shared model; a "
+                        "row keeps its median round (by median step time) and lists every round's in ms_rounds")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what one timed step does")
     p.add_argument("--compile", choices=list(COMPILE_CHOICES), default="both", help="eager, compiled, or both")
     p.add_argument("--attention", nargs="+", default=["naive"], metavar="IMPL", type=impls.registry_name,
@@ -63,21 +66,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_compile_backend_arg(p)
 
 
-@contextmanager
-def attention_impl(attn) -> Iterator[None]:
-    """Swap `cs336_basics.model.scaled_dot_product_attention` (looked up at call time) for `attn`."""
-    import cs336_basics.model as basics_model
-
-    original = basics_model.scaled_dot_product_attention
+def model_attention(attn):
+    """`attn` (an impls registry callable) as the model's `scaled_dot_product_attention(Q, K, V, mask)`."""
 
     def swapped(Q, K, V, mask=None):
         return attn(Q, K, V, mask is not None)  # the model only ever passes its causal mask
 
-    basics_model.scaled_dot_product_attention = swapped
+    return swapped
+
+
+@contextmanager
+def attention_function(function) -> Iterator[None]:
+    """Swap `cs336_basics.model.scaled_dot_product_attention` (looked up at call time) for `function`: one object per
+    implementation, installed again each round, so that a compiled model's guards on it match and it compiles once."""
+    import cs336_basics.model as basics_model
+
+    original = basics_model.scaled_dot_product_attention
+    basics_model.scaled_dot_product_attention = function
     try:
         yield
     finally:
         basics_model.scaled_dot_product_attention = original
+
+
+def attention_impl(attn):
+    """Swap the model's attention for `attn` (an impls registry callable) within the block."""
+    return attention_function(model_attention(attn))
 
 
 def check(args: argparse.Namespace) -> None:
@@ -113,105 +127,128 @@ def random_lm(config, vocab: int, context: int, batch: int, device):
 def run(args: argparse.Namespace, rec: Recorder) -> int:
     import torch
 
-    from cs336_basics.nn_utils import cross_entropy
-    from cs336_basics.optimizer import AdamW
-    from cs336_systems.bench.timing import time_calls
-
     device = rec.device
     backend = options.compile_backend(args, device.type == "cuda")
     autocast = (
         torch.autocast(device_type=device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     )
-    combos = [
-        (size, ctx, attn, compiled)
-        for size in args.sizes
-        for ctx in args.context
-        for attn in args.attention
-        for compiled in COMPILE_CHOICES[args.compile]
-    ]
-    for size, ctx, attn_name, compiled in options.progress(combos, args, NAME):
-        config = model_config(size)
-        batch = batch_size(args, ctx)
-        fields = {
-            mode: dict(
-                impl=attn_name, mode=mode, dtype=args.dtype, batch=batch, n_heads=config.num_heads,
-                seq_len=ctx, d_head=config.d_model // config.num_heads, is_causal=True, model_size=size,
-                context_length=ctx, compiled=compiled, warmup_steps=args.warmup, steps=args.steps,
-                d_model=config.d_model, num_layers=config.num_layers,
-                **({"compile_backend": backend} if compiled else {}),
-            )
-            for mode in args.modes
-        }
-        todo = [m for m in args.modes if not rec.is_done(fields[m])]
-        if not todo:
-            continue
-        if compiled and impls.uses_triton(attn_name) and device.type != "cuda":
-            for mode in todo:
-                rec.skip(fields[mode], "unsupported", error="dynamo cannot trace Triton-interpreter kernels (CPU)")
-            continue
-
-        state: dict = {}
-
-        def setup() -> dict:
-            """Model (+ compile wrapper) and data, built on first use and shared by this combo's modes."""
-            if "model" not in state:
-                model, x, y = random_lm(config, args.vocab, ctx, batch, device)
-                if compiled:
-                    torch._dynamo.reset()
-                    model = torch.compile(model, backend=backend, dynamic=False)
-                state.update(model=model, n_params=sum(p.numel() for p in model.parameters()), x=x, y=y)
-            return state
-
-        def loss_fn():
-            with autocast:
-                return cross_entropy(state["model"](state["x"]), state["y"])
-
-        def zero_grad():
-            state["model"].zero_grad(set_to_none=True)
-
-        def time_mode(mode: str) -> dict:
-            timing = dict(device=device, iters=args.steps, warmup=args.warmup, settled=True)
-            if mode == "fwd":
-                return time_calls(loss_fn, **timing)
-            if mode == "bwd":
-
-                def forward():
-                    zero_grad()
-                    state["loss"] = loss_fn()
-
-                return time_calls(lambda: state["loss"].backward(), before=forward, **timing)
-            if mode == "fwd_bwd":
-                return time_calls(lambda: loss_fn().backward(), before=zero_grad, **timing)
-            if "optimizer" not in state:
-                state["optimizer"] = AdamW(state["model"].parameters(), lr=1e-4)
-            optimizer = state["optimizer"]
-
-            def train_step():
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn().backward()
-                optimizer.step()
-
-            return time_calls(train_step, **timing)
-
-        def measure(mode: str) -> dict:
-            setup()
-            try:
-                stats = time_mode(mode)
-            finally:  # drop this mode's graph and grads even after an OOM, before the next mode
-                state.pop("loss", None)
-                zero_grad()
-            return {
-                **stats,
-                "n_params": state["n_params"],
-                "tokens_per_s": batch * ctx / (stats["ms_mean"] * 1e-3),
-            }
-
-        attn = impls.build(attn_name, impls.Setup(device, args.dtype, ctx, backend))
-        with attention_impl(attn):
-            for mode in todo:
-                rec.measure(fields[mode], lambda: measure(mode))
-        state.clear()
+    groups = [(size, ctx, compiled) for size in args.sizes for ctx in args.context
+              for compiled in COMPILE_CHOICES[args.compile]]
+    for size, ctx, compiled in options.progress(groups, args, NAME):
+        measure_group(size, ctx, compiled, args, rec, backend, autocast)
     return 0
+
+
+def measure_group(size: str, ctx: int, compiled: bool, args: argparse.Namespace, rec: Recorder, backend: str,
+                  autocast) -> None:
+    """Every attention implementation on one model (size, context, eager or compiled), in `args.rounds` interleaved
+    rounds (each round times every implementation and mode once; a row keeps its median round): the model and its
+    data are built once and shared, the implementations swapped in turn (a compiled model recompiles once per
+    implementation, in its first warm-up step)."""
+    import torch
+
+    from cs336_basics.nn_utils import cross_entropy
+    from cs336_basics.optimizer import AdamW
+    from cs336_systems.bench.timing import (free_memory, interleaved_rounds, median_of_rounds, peak_memory_mib,
+                                            time_calls)
+
+    device = rec.device
+    config = model_config(size)
+    batch = batch_size(args, ctx)
+
+    def fields(attn_name: str, mode: str) -> Row:
+        return dict(
+            impl=attn_name, mode=mode, dtype=args.dtype, batch=batch, n_heads=config.num_heads, seq_len=ctx,
+            d_head=config.d_model // config.num_heads, is_causal=True, model_size=size, context_length=ctx,
+            compiled=compiled, warmup_steps=args.warmup, steps=args.steps, d_model=config.d_model,
+            num_layers=config.num_layers, **({"compile_backend": backend} if compiled else {}),
+            **({"rounds": args.rounds} if args.rounds > 1 else {}),
+        )
+
+    todo = {attn: [m for m in args.modes if not rec.is_done(fields(attn, m))] for attn in args.attention}
+    todo = {attn: modes for attn, modes in todo.items() if modes}
+    if compiled and device.type != "cuda":
+        for attn in [attn for attn in todo if impls.uses_triton(attn)]:
+            for mode in todo.pop(attn):
+                rec.skip(fields(attn, mode), "unsupported",
+                         error="dynamo cannot trace Triton-interpreter kernels (CPU)")
+    if not todo:
+        return
+
+    state: dict = {}
+
+    def setup() -> None:
+        """Model (+ compile wrapper) and data, built on first use and shared by the group's measurements."""
+        if "model" not in state:
+            model, x, y = random_lm(config, args.vocab, ctx, batch, device)
+            if compiled:
+                torch._dynamo.reset()
+                model = torch.compile(model, backend=backend, dynamic=False)
+            state.update(model=model, n_params=sum(p.numel() for p in model.parameters()), x=x, y=y)
+
+    def loss_fn():
+        with autocast:
+            return cross_entropy(state["model"](state["x"]), state["y"])
+
+    def zero_grad():
+        state["model"].zero_grad(set_to_none=True)
+
+    def time_mode(mode: str) -> dict:
+        timing = dict(device=device, iters=args.steps, warmup=args.warmup, settled=True)
+        if mode == "fwd":
+            return time_calls(loss_fn, **timing)
+        if mode == "bwd":
+
+            def forward():
+                zero_grad()
+                state["loss"] = loss_fn()
+
+            return time_calls(lambda: state["loss"].backward(), before=forward, **timing)
+        if mode == "fwd_bwd":
+            return time_calls(lambda: loss_fn().backward(), before=zero_grad, **timing)
+        state["optimizer"] = optimizer = AdamW(state["model"].parameters(), lr=1e-4)
+
+        def train_step():
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn().backward()
+            optimizer.step()
+
+        return time_calls(train_step, **timing)
+
+    def measure(mode: str) -> dict:
+        setup()
+        try:
+            stats = time_mode(mode)
+            peak = peak_memory_mib(device)  # (time_calls reset the counter after the warm-up: the timed steps')
+        finally:  # drop this mode's graph, grads and optimizer state even after an OOM, before the next measurement
+            state.pop("loss", None)
+            state.pop("optimizer", None)
+            zero_grad()
+        return {**stats, "peak_mem_mb": peak, "n_params": state["n_params"],
+                "tokens_per_s": batch * ctx / (stats["ms_mean"] * 1e-3)}
+
+    built: dict[str, object] = {}
+
+    def measure_with(attn_name: str, mode: str) -> dict:
+        if attn_name not in built:  # built inside its first measurement: Unsupported becomes its rows
+            built[attn_name] = model_attention(impls.build(attn_name, impls.Setup(device, args.dtype, ctx, backend)))
+        with attention_function(built[attn_name]):
+            return measure(mode)
+
+    results = interleaved_rounds([(attn, mode) for attn, modes in todo.items() for mode in modes], args.rounds,
+                                 measure_with, device)
+    state.clear()
+    free_memory(device)
+
+    def aggregate(attn_name: str, mode: str) -> Row:
+        row = median_of_rounds(results[attn_name, mode])
+        if args.rounds == 1:
+            del row["ms_rounds"]
+        return row
+
+    for attn_name, modes in todo.items():
+        for mode in modes:
+            rec.measure(fields(attn_name, mode), lambda: aggregate(attn_name, mode))
 
 
 # ---------------------------------------------------------------------------------------------

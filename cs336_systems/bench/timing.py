@@ -89,6 +89,47 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def interleaved_rounds(keys: Sequence[tuple], rounds: int, measure: Callable[..., dict[str, Any]],
+                       device: torch.device) -> dict[tuple, list[dict[str, Any]] | BaseException]:
+    """`measure(*key)` for every key in order, `rounds` times over: each round measures every key once, so that a host
+    whose speed drifts (a shared machine) slows every key alike, not only the one timed during a slow spell. A
+    measurement that raises is not tried again: its key keeps the exception (for `rec.measure` to record it as OOM,
+    unsupported or error), else the list of its rounds' results."""
+    results: dict[tuple, list[dict[str, Any]] | BaseException] = {key: [] for key in keys}
+    for _ in range(rounds):
+        for key in keys:
+            done = results[key]
+            if isinstance(done, BaseException):
+                continue
+            free_memory(device)
+            try:
+                done.append(measure(*key))
+            except Exception as e:  # (kept for its row)
+                results[key] = e
+    free_memory(device)
+    return results
+
+
+def median_of_rounds(done: list[dict[str, Any]] | BaseException) -> dict[str, Any]:
+    """An `interleaved_rounds` result as one row's metrics (`median_round`), or its exception raised again."""
+    if isinstance(done, BaseException):
+        raise done
+    return median_round(done)
+
+
+def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's metrics from its rounds: the round of the median `ms` (the lower middle one of an even count), with
+    every round's ms (`ms_rounds`), the median host time where measured, and the largest peak memory."""
+    ordered = sorted(results, key=lambda r: r["ms"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["ms_rounds"] = [r["ms"] for r in results]
+    if "host_us" in row:
+        row["host_us"] = statistics.median(r["host_us"] for r in results)
+    peaks = [r["peak_mem_mb"] for r in results if r.get("peak_mem_mb") is not None]
+    row["peak_mem_mb"] = max(peaks) if peaks else None
+    return row
+
+
 def summarize_ms(times_ms: list[float]) -> dict[str, float]:
     """Median (the headline `ms`), 20th/80th percentiles, mean and sample std of per-call times."""
     q = statistics.quantiles(times_ms, n=10, method="inclusive") if len(times_ms) > 1 else [times_ms[0]] * 9

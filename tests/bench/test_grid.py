@@ -6,6 +6,7 @@ import pytest
 
 from cs336_systems.bench import cli, grid, options
 from cs336_systems.bench.record import read_rows
+from cs336_systems.bench.timing import median_round
 
 from .helpers import check_report, check_rows, rows_of, run_cli, timed, write_rows
 
@@ -146,10 +147,10 @@ def test_a_row_keeps_the_round_of_its_median_time():
     rounds = [dict(ms=3.0, ms_p20=2.9, host_us=30.0, peak_mem_mb=5.0), dict(ms=1.0, ms_p20=0.9, host_us=10.0,
                                                                            peak_mem_mb=7.0),
               dict(ms=2.0, ms_p20=1.9, host_us=50.0, peak_mem_mb=6.0)]
-    row = grid.median_round(rounds)
+    row = median_round(rounds)
     assert row == dict(ms=2.0, ms_p20=1.9, host_us=30.0, peak_mem_mb=7.0, ms_rounds=[3.0, 1.0, 2.0])
-    assert grid.median_round(rounds[:2])["ms"] == 1.0
-    assert grid.median_round([dict(ms=1.0, peak_mem_mb=None)])["peak_mem_mb"] is None
+    assert median_round(rounds[:2])["ms"] == 1.0
+    assert median_round([dict(ms=1.0, peak_mem_mb=None)])["peak_mem_mb"] is None
 
 
 def test_rounds_interleave_and_a_failed_measurement_is_its_row(tmp_path):

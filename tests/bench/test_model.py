@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cs336_basics.model as basics_model
@@ -89,3 +90,41 @@ def test_settled_timing_resets_the_peak_after_the_warmup_and_our_compiles(monkey
     events.clear()
     timing.time_calls(lambda: events.append("call"), torch.device("cpu"), iters=1, warmup=1)
     assert events == ["call", "call"]
+
+
+def test_smoke_model_rounds_interleave_on_one_model(tmp_path, monkeypatch):
+    """--rounds 2: each round times every implementation and mode once, on one model whose attention is swapped in
+    turn (the same function object for an implementation every round, so a compiled model's guards match it); a row
+    keeps its median round and lists every round's time."""
+    from cs336_systems.bench import timing
+
+    calls = []
+    time_calls = timing.time_calls
+
+    def recording(fn, device, **kw):
+        calls.append(basics_model.scaled_dot_product_attention)
+        return time_calls(fn, device, **kw)
+
+    monkeypatch.setattr(timing, "time_calls", recording)
+    assert run_cli("model", "--smoke", "--attention", "sdpa_math", "naive", "--rounds", "2", "--compile", "eager",
+                   "--modes", "fwd", "fwd_bwd", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "model")
+    assert {(r["impl"], r["mode"], r["status"], r["rounds"], len(r["ms_rounds"])) for r in rows} == {
+        (impl, mode, "ok", 2, 2) for impl in ("sdpa_math", "naive") for mode in ("fwd", "fwd_bwd")}
+    assert all(r["ms"] in r["ms_rounds"] for r in rows)
+    # round 1: sdpa_math fwd, fwd_bwd, naive fwd, fwd_bwd; round 2 the same, with the same functions
+    assert len(calls) == 8 and calls[:4] == calls[4:]
+    assert calls[0] is calls[1] and calls[2] is calls[3] and calls[0] is not calls[2]
+    assert basics_model.scaled_dot_product_attention not in calls  # swapped back
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run where CUDA is")
+def test_smoke_model_an_implementation_that_cannot_run_is_its_rows(tmp_path):
+    """An implementation that cannot run (CUDA graphs without CUDA) becomes its rows, tried once; the others run."""
+    assert run_cli("model", "--smoke", "--attention", "sdpa_math_cudagraphs", "sdpa_math", "--rounds", "2",
+                   "--compile", "eager", "--modes", "fwd", "fwd_bwd", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "model")
+    assert {(r["impl"], r["mode"], r["status"]) for r in rows} == {
+        *(("sdpa_math_cudagraphs", m, "unsupported") for m in ("fwd", "fwd_bwd")),
+        *(("sdpa_math", m, "ok") for m in ("fwd", "fwd_bwd"))}
+    assert all("CUDA graphs" in r["error"] for r in rows if r["status"] != "ok")
