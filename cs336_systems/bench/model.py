@@ -89,11 +89,6 @@ def attention_function(function) -> Iterator[None]:
         basics_model.scaled_dot_product_attention = original
 
 
-def attention_impl(attn):
-    """Swap the model's attention for `attn` (an impls registry callable) within the block."""
-    return attention_function(model_attention(attn))
-
-
 def check(args: argparse.Namespace) -> None:
     if args.tokens is not None and args.tokens < max(args.context):
         raise ValueError(f"--tokens {args.tokens} is fewer than the context length {max(args.context)}: "
@@ -235,8 +230,13 @@ def measure_group(size: str, ctx: int, compiled: bool, args: argparse.Namespace,
         with attention_function(built[attn_name]):
             return measure(mode)
 
-    results = interleaved_rounds([(attn, mode) for attn, modes in todo.items() for mode in modes], args.rounds,
-                                 measure_with, device)
+    # a compiled model holds one graph per implementation: room for them all, and an error rather than dynamo's
+    # silent fallback to eager past its recompile limit
+    limits = torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 2 * len(todo)),
+                                        fail_on_recompile_limit_hit=True) if compiled else nullcontext()
+    with limits:
+        results = interleaved_rounds([(attn, mode) for attn, modes in todo.items() for mode in modes], args.rounds,
+                                     measure_with, device)
     state.clear()
     free_memory(device)
 

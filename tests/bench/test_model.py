@@ -57,13 +57,14 @@ def test_sdpa_in_the_model_is_the_models_causal_attention():
     """`--attention sdpa` (PyTorch's backend choice) gives the model the logits of its own masked attention."""
     from cs336_basics.model import BasicsTransformerLM
     from cs336_systems.bench import impls
-    from cs336_systems.bench.model import attention_impl, model_config
+    from cs336_systems.bench.model import attention_function, model_attention, model_config
 
     torch.manual_seed(0)
     model = BasicsTransformerLM.from_config(model_config("smoke"), vocab_size=100, context_length=32)
     x = torch.randint(0, 100, (2, 32))
     expected = model(x)
-    with attention_impl(impls.build("sdpa", impls.Setup(torch.device("cpu"), "fp32", seq_len=32))):
+    sdpa = impls.build("sdpa", impls.Setup(torch.device("cpu"), "fp32", seq_len=32))
+    with attention_function(model_attention(sdpa)):
         torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -128,3 +129,13 @@ def test_smoke_model_an_implementation_that_cannot_run_is_its_rows(tmp_path):
         *(("sdpa_math_cudagraphs", m, "unsupported") for m in ("fwd", "fwd_bwd")),
         *(("sdpa_math", m, "ok") for m in ("fwd", "fwd_bwd"))}
     assert all("CUDA graphs" in r["error"] for r in rows if r["status"] != "ok")
+
+
+def test_smoke_model_rounds_on_a_compiled_model(tmp_path):
+    """A compiled model shared by two implementations over two rounds: each row ok (one graph per implementation, the
+    recompile limit raised for them and an error, not dynamo's fallback to eager, past it)."""
+    assert run_cli("model", "--smoke", "--attention", "sdpa_math", "naive", "--rounds", "2", "--compile", "compiled",
+                   "--modes", "fwd", "--out", str(tmp_path)) == 0
+    rows = rows_of(tmp_path, "model")
+    assert {(r["impl"], r["compiled"], r["status"], len(r["ms_rounds"])) for r in rows} == {
+        ("sdpa_math", True, "ok", 2), ("naive", True, "ok", 2)}
