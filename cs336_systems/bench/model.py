@@ -240,15 +240,9 @@ def measure_group(size: str, ctx: int, compiled: bool, args: argparse.Namespace,
     state.clear()
     free_memory(device)
 
-    def aggregate(attn_name: str, mode: str) -> Row:
-        row = median_of_rounds(results[attn_name, mode])
-        if args.rounds == 1:
-            del row["ms_rounds"]
-        return row
-
     for attn_name, modes in todo.items():
         for mode in modes:
-            rec.measure(fields(attn_name, mode), lambda: aggregate(attn_name, mode))
+            rec.measure(fields(attn_name, mode), lambda: median_of_rounds(results[attn_name, mode]))
 
 
 # ---------------------------------------------------------------------------------------------
