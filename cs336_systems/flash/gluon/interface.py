@@ -101,14 +101,16 @@ def _arguments(template: tuple, tensors: tuple, scale: float) -> tuple:
 def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
     """(kernel, positional arguments, constexprs, warps per CTA, config) of a launch of kernel `name` (a key
     of GLUON_KERNELS) with its default config on contiguous (1, heads, seq, d) tensors, built as `forward` and
-    `kv_pass` build theirs; the tensors are CPU placeholders, so that the kernel can be compiled without a
+    `kv_pass` build theirs (a `_window_gluon` kernel with a window of seq / 8 keys left of each query, and as many
+    right of it where not causal); the tensors are CPU placeholders, so that the kernel can be compiled without a
     GPU (`cs336-bench resources`)."""
     x = torch.empty(1, heads, seq, d, dtype=dtype)
     lse = torch.empty(heads, seq, dtype=torch.float32)
-    if name == "flash_fwd_gluon":
+    band = (seq // 8, 0 if causal else seq // 8) if name.endswith("_window_gluon") else None  # (an eighth each side)
+    if name in ("flash_fwd_gluon", "flash_fwd_window_gluon"):
         config = FWD_CONFIGS[d]
         tensors = (x, x, x, x, lse)
-        _, _, template, constexprs, _ = _fwd_launch_plan(tensors, causal, config)
+        _, _, template, constexprs, _ = _fwd_launch_plan(tensors, causal, config, band)
         args = _arguments(template, tensors, d ** -0.5)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
     if name == "flash_fwd_packed_gluon":  # (two sequences of seq / 2 tokens)
@@ -120,12 +122,12 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         args = _arguments(template, tensors, d ** -0.5)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config
     if name in ("flash_bwd_kv_gluon", "flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon",
-                "flash_bwd_single_pass_keys_gluon"):
+                "flash_bwd_single_pass_keys_gluon", "flash_bwd_single_pass_keys_window_gluon"):
         qrows = name in ("flash_bwd_kv_qrows_gluon", "flash_bwd_single_pass_gluon")
         dq_acc = torch.empty(heads, seq, d) if name.startswith("flash_bwd_single_pass") else None
         config = GLUON_KERNELS[name][d]
         tensors = (x, x, x, x, lse, lse, x, x, dq_acc)
-        kernel, _, template, constexprs, _ = _kv_launch_plan(tensors, causal, config, qrows)
+        kernel, _, template, constexprs, _ = _kv_launch_plan(tensors, causal, config, qrows, band=band)
         args = _arguments(template, tensors, d ** -0.5)
         workers = 2 if kernel is flash_bwd_single_keys_gluon_kernel else 0  # its loader and dQ warps
         return kernel, args, constexprs, constexprs["num_warps"] + workers, config
@@ -142,10 +144,12 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
 
 
 # each Gluon kernel's configs by head dim (the head dims it runs)
-GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_packed_gluon": FWD_CONFIGS,
+GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_window_gluon": FWD_CONFIGS,
+                 "flash_fwd_packed_gluon": FWD_CONFIGS,
                  "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS,
                  "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
                  "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS,
+                 "flash_bwd_single_pass_keys_window_gluon": SINGLE_PASS_KEYS_CONFIGS,
                  "flash_bwd_single_pass_keys_packed_gluon": SINGLE_PASS_KEYS_CONFIGS}
 
 
