@@ -143,7 +143,8 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
     raise ValueError(f"no Gluon kernel {name!r}; known: {', '.join(GLUON_KERNELS)}")
 
 
-# each Gluon kernel's configs by head dim (the head dims it runs)
+# each Gluon kernel's configs by head dim (the head dims it runs); a kernel's windowed and packed launches compile
+# other code (HAS_WINDOW, IS_VARLEN) and are named apart
 GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_window_gluon": FWD_CONFIGS,
                  "flash_fwd_packed_gluon": FWD_CONFIGS,
                  "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS,
