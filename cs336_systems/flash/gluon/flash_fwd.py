@@ -55,8 +55,17 @@ def _fwd_producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, emp
 
 
 @gluon.jit
+def _band_rows(offs, before, after, n_other):
+    """Per row (offs) of a band, its first column lo = offs - before and its count of columns, from lo to
+    min(offs + after, n_other - 1) (0 where none), as uint32: column c is in the band iff (c - lo) as uint32 < count,
+    one compare a score instead of three."""
+    lo = offs - before
+    return lo, gl.maximum(gl.minimum(offs + after, n_other - 1) - lo + 1, 0).to(gl.uint32)
+
+
+@gluon.jit
 def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
-                 band, EDGES: gl.constexpr):
+                 band, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
     tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. With EDGES (a window or packed
     sequences; band: (left, right, keys), causal folded in) query i sees key j iff i - left <= j <= i + right and
@@ -67,9 +76,14 @@ def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.con
         if ((first + sc.shape[0] - 1 - left > k_start) | (k_start + BLOCK_N - 1 - right > first)
                 | (k_start + BLOCK_N > n_k)):
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
-            i = gl.expand_dims(offs_m, 1)
-            j = gl.expand_dims(offs_n, 0)
-            sc = gl.where((j >= i - left) & (j <= i + right) & (j < n_k), sc, float("-inf"))
+            if IS_VARLEN:  # (the count spills in the packed d-64 loop and timed no faster there)
+                i = gl.expand_dims(offs_m, 1)
+                j = gl.expand_dims(offs_n, 0)
+                sc = gl.where((j >= i - left) & (j <= i + right) & (j < n_k), sc, float("-inf"))
+            else:
+                lo, count = _band_rows(offs_m, left, right, n_k)
+                seen = (gl.expand_dims(offs_n, 0) - gl.expand_dims(lo, 1)).to(gl.uint32) < gl.expand_dims(count, 1)
+                sc = gl.where(seen, sc, float("-inf"))
     elif is_causal:
         if k_start + BLOCK_N > first:
             offs_n = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
@@ -186,7 +200,7 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(s0))
     p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + t0 * BLOCK_N, first, qk_scale, BLOCK_N,
-                                      is_causal, band, EDGES)
+                                      is_causal, band, EDGES, IS_VARLEN)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), (t0 + 1) & 1, pred=n > 1)
     for j in range(1, n):
@@ -201,7 +215,7 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_t read
         p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + t * BLOCK_N, first, qk_scale, BLOCK_N,
-                                          is_causal, band, EDGES)
+                                          is_causal, band, EDGES, IS_VARLEN)
         # the turn for the next tile's matmuls, taken before the wait for P_{t-1}·V_{t-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
