@@ -210,9 +210,9 @@ def test_gluon_packed_forward_launch_plan():
     assert list(k_desc.block_shape) == [block_n, 128] and list(o_desc.block_shape) == [block_m, 128]
     assert args[10:12] == (flash_gluon.UNBOUNDED, 0)
     assert isinstance(args[12], torch.Tensor) and args[12].shape == (1024, 8, 128)
-    tiles, batch = args[-4], args[-3]  # (then the dense forward's head groups, unread)
+    tiles, batch = args[15], args[16]  # (then the dense forward's head groups and layouts, unread)
     rows = block_m * num_warps // 4
-    assert batch == 2 and tiles.shape == (1024 // rows + 2, 2)
+    assert batch == 2 and tiles.shape == (1024 // rows + 2, 2) and args[19:] == (0,) * 9
     cpu = torch.empty(16, 2, 128, dtype=torch.bfloat16)
     assert flash_gluon.packed_fwd_supported(cpu, cpu, cpu, cpu, 2) is False
 
@@ -347,7 +347,30 @@ def test_gluon_forward_declines_what_it_cannot_tile():
     assert not flash_gluon.fwd_supported(q, k[:, :, :1000].contiguous(), v[:, :, :1000].contiguous())
     assert not flash_gluon.fwd_supported(*(t[..., :32].contiguous() for t in (q, k, v)))
     assert not flash_gluon.fwd_supported(*(t.float() for t in (q, k, v)))
-    assert not flash_gluon.fwd_supported(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+    assert not flash_gluon.fwd_supported(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)  # (D not innermost)
+    assert flash_gluon.fwd_supported(q, k, v.transpose(1, 2).contiguous().transpose(1, 2))  # (a model's v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layouts", ["v", "qkv", "q", "k"])
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (8, 2, 128)], ids=["mha-d64", "gqa-d128"])
+def test_gluon_forward_reads_heads_inside_tensors_bitwise_as_contiguous_ones(heads, kv_heads, d, layouts, is_causal):
+    """The named inputs as (B, H, S, D) views of (B, S, H, D) memory (as a model's projections give them), read where
+    they lie: O and L bitwise those of the contiguous call, O in q's layout."""
+    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
+
+    q = randn_cuda(2, heads, 1024, d, seed=70)
+    k, v = (randn_cuda(2, kv_heads, 1024, d, seed=71 + i) for i in range(2))
+    inside = {name: t.transpose(1, 2).contiguous().transpose(1, 2) if name in layouts else t
+              for name, t in zip("qkv", (q, k, v))}
+    assert flash_gluon.fwd_supported(*inside.values()) and flash_gluon.fwd_supported(q, k, v)
+    opts = KernelOptions(gluon_fwd=True)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
+    o_inside, lse_inside = flash_forward_triton(*inside.values(), is_causal, opts)
+    assert o_inside.stride() == (inside["q"].stride() if "q" in layouts else o.stride())
+    assert torch.equal(o_inside, o) and torch.equal(lse_inside, lse)
 
 
 @pytest.mark.gpu
@@ -457,6 +480,31 @@ def test_gluon_launch_keys_hold_the_grid():
     assert keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
 
 
+def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
+    """A (B, H, S, D) view of (B, S, H, D) memory reaches the forward as a descriptor over its (B·S, H·D) view, a
+    head's D columns per box, and the rows and columns where each head starts (`_head_rows`); contiguous tensors
+    as before; the key tells the layouts apart; O must lie as Q does. CPU placeholders: nothing is launched."""
+    from cs336_systems.flash.gluon import interface
+
+    b, h, h_kv, s, d = 2, 8, 2, 512, 64
+    q, o = torch.empty(b, h, s, d, dtype=torch.bfloat16), torch.empty(b, h, s, d, dtype=torch.bfloat16)
+    k = torch.empty(b, h_kv, s, d, dtype=torch.bfloat16)
+    v = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.empty(b * h, s)
+    _, _, template, _, key = interface._fwd_launch_plan((q, k, v, o, lse), True, None)
+    assert template[-9:] == (h * s, s, 0, h_kv * s, s, 0, s, 0, d)
+    args = interface._arguments(template, (q, k, v, o, lse), d ** -0.5)
+    assert list(args[2].shape) == [b * s, h_kv * d] and list(args[2].strides) == [h_kv * d, 1]
+    assert list(args[1].shape) == [b * h_kv * s, d] and args[2].block_shape == args[1].block_shape
+    _, _, _, _, contiguous_key = interface._fwd_launch_plan((q, k, v.contiguous(), o, lse), True, None)
+    assert key != contiguous_key
+    q_inside = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError, match="o4 must have q4's layout"):
+        interface._fwd_launch_plan((q_inside, k, v, o, lse), True, None)
+    _, _, template, _, _ = interface._fwd_launch_plan((q_inside, k, v, torch.empty_like(q_inside), lse), True, None)
+    assert template[-9:-6] == (s, 0, d)
+
+
 def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
     """`_band_split`'s own code on Python ints (gl's scalar ops stood in for, C division): over windows, causal
     bands and packed sequences' ends, every tile it gives the unmasked loop is one `_single_keys_p` would not mask,
@@ -509,8 +557,10 @@ def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
                 k = torch.empty(batch, kv_heads, n, d, dtype=torch.bfloat16)
                 lse = torch.empty(batch * heads, n)
                 acc = torch.empty(batch * heads, n, d)
+                v_inside = torch.empty(batch, n, kv_heads, d, dtype=torch.bfloat16).transpose(1, 2)
                 for band in (None, (64, 0), (128, 0), (0, 64)):
                     plans.append(fixed(interface._fwd_launch_plan((q, k, k, q, lse), is_causal, None, band)))
+                    plans.append(fixed(interface._fwd_launch_plan((q, k, v_inside, q, lse), is_causal, None, band)))
                     plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, acc), is_causal,
                                                                  None, band=band)))
                 plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, None), is_causal, None)))
@@ -694,7 +744,7 @@ def test_gluon_forward_groups_a_wave_of_lines_with_the_tail_rule(monkeypatch):
     q = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16)
     lse = torch.empty(8 * 16, 2048)
     *_, template, _, key = interface._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
-    assert template[-2:] == (128, 128)
+    assert template[17:19] == (128, 128)  # (HEAD_GROUP, TAIL; then the layouts' rows)
 
 
 @pytest.mark.gpu

@@ -328,14 +328,9 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor of t's shape, dtype and device for O or a gradient: in t's layout where t is a
     (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's projections give q, k and
     v), so that the model's reshape back to (B, S, H·D) copies nothing; contiguous otherwise."""
-    if _heads_inside(t):
+    if gluon.heads_inside(t):
         return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-
-def _heads_inside(t: torch.Tensor) -> bool:
-    """Whether t is a (B, H, S, D) view of (B, S, H, D) memory."""
-    return t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
 
 
 def in_layout_of(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -737,7 +732,7 @@ def _maker(t: torch.Tensor, n: int) -> Callable[[], torch.Tensor]:
     """A maker of empty tensors of t's dtype, device and layout (`empty_like`'s) with n positions along the sequence;
     it holds nothing of t."""
     shape, dtype, device = (*t.shape[:-2], n, t.shape[-1]), t.dtype, t.device
-    if _heads_inside(t):
+    if gluon.heads_inside(t):
         return lambda: torch.empty(shape[0], n, shape[1], shape[3], dtype=dtype, device=device).transpose(1, 2)
     return lambda: torch.empty(shape, dtype=dtype, device=device)
 

@@ -34,12 +34,20 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _takes(tensors, d: int, configs: dict) -> bool:
-    """sm_90, 16-bit, a head dim with a config, contiguous, one dtype, 16-byte aligned."""
+def heads_inside(t: torch.Tensor) -> bool:
+    """Whether t is a (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's
+    projections give q, k and v)."""
+    return t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def _takes(tensors, d: int, configs: dict, heads_inside_ok: bool = False) -> bool:
+    """sm_90, 16-bit, a head dim with a config, contiguous (or, heads_inside_ok, `heads_inside`), one dtype,
+    16-byte aligned."""
     q4 = tensors[0]
     if d not in configs or q4.dtype not in GL_DTYPES or not q4.is_cuda:
         return False
-    if not all(t.is_contiguous() and t.dtype == q4.dtype and t.data_ptr() % 16 == 0 for t in tensors):
+    if not all((t.is_contiguous() or heads_inside_ok and heads_inside(t)) and t.dtype == q4.dtype
+               and t.data_ptr() % 16 == 0 for t in tensors):
         return False
     return _is_sm90(q4.device.index)
 
@@ -65,13 +73,14 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
 
 
 def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:
-    """Whether `forward` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, contiguous, query
-    lengths in whole BLOCK_M tiles and key lengths in whole BLOCK_N tiles."""
+    """Whether `forward` takes these (B, H, S, D) tensors: sm_90, 16-bit, d 64/128, each contiguous or a view of
+    (B, S, H, D) memory (`heads_inside`: its tiles are read where they lie), query lengths in whole BLOCK_M tiles and
+    key lengths in whole BLOCK_N tiles."""
     d = q4.shape[-1]
     block_m, block_n, _, _ = config or FWD_CONFIGS.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
-    return _takes((q4, k4, v4), d, FWD_CONFIGS)
+    return _takes((q4, k4, v4), d, FWD_CONFIGS, heads_inside_ok=True)
 
 
 # a packed grid's slots run along grid axis 1 (at most 65535 programs)

@@ -11,6 +11,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_program, packed_sequence, store_rows
 
+# the rows and columns where a head's tiles start in each of Q's, K's and V's views (`interface._head_rows`); runtime
+# integers, so that one compiled forward serves either layout
+HEAD_ROWS = ("Q_BATCH_ROWS", "Q_HEAD_ROWS", "Q_HEAD_COLS", "K_BATCH_ROWS", "K_HEAD_ROWS", "K_HEAD_COLS", "V_BATCH_ROWS",
+             "V_HEAD_ROWS", "V_HEAD_COLS")
+
 LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
 REGS_3WG = gl.constexpr(160)
@@ -41,17 +46,17 @@ REGS_3WG = gl.constexpr(160)
 
 
 @gluon.jit
-def _fwd_producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row, kv_col, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fwd_producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, k_row, k_col, v_row, v_col,
+                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     for j in range(n_tiles):
         s = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(empty_k.index(s), phase)
         mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], ready_k.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], ready_k.index(s), k_smem.index(s))
         mbarrier.wait(empty_v.index(s), phase)
         mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], ready_v.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], ready_v.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -248,18 +253,22 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
-@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
+@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS") + HEAD_ROWS)
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
     O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS, HEAD_GROUP, TAIL,
+    Q_BATCH_ROWS, Q_HEAD_ROWS, Q_HEAD_COLS, K_BATCH_ROWS, K_HEAD_ROWS, K_HEAD_COLS, V_BATCH_ROWS, V_HEAD_ROWS,
+    V_HEAD_COLS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `grouped_program`'s
     order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
-    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; L:
-    contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
+    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; each of Q
+    (and O, in Q's layout), K and V may instead be a (B·S, H·D) view of (B, S, H, D) memory, a head's D columns per
+    box: head h of batch b starts at row b·*_BATCH_ROWS + h·*_HEAD_ROWS, column h·*_HEAD_COLS; L: contiguous
+    (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
     self-attention, so that every query sees its own key) a program streams only the key tiles its rows' bands
     meet.
 
@@ -278,6 +287,8 @@ def flash_fwd_gluon_kernel(
         q_col = head * D
         kv_row = k0
         kv_col = head // KV_GROUP * D
+        v_row = kv_row
+        v_col = kv_col
         l_row = head * N_QUERIES + q0
         j0 = gl.maximum(q_start - WINDOW_LEFT, 0) // BLOCK_N
         # (at least one tile: a program without keys still takes its turns, every score masked)
@@ -294,11 +305,14 @@ def flash_fwd_gluon_kernel(
         q_start = tile * ROWS
         batch = batch_head // N_HEADS
         head = batch_head % N_HEADS
-        kv_row = (batch * (N_HEADS // KV_GROUP) + head // KV_GROUP) * N_KEYS
+        kv_head = head // KV_GROUP
+        kv_row = batch * K_BATCH_ROWS + kv_head * K_HEAD_ROWS
+        kv_col = kv_head * K_HEAD_COLS
+        v_row = batch * V_BATCH_ROWS + kv_head * V_HEAD_ROWS
+        v_col = kv_head * V_HEAD_COLS
         l_row = batch_head * N_QUERIES
-        q_row = l_row + q_start
-        q_col = 0
-        kv_col = 0
+        q_row = batch * Q_BATCH_ROWS + head * Q_HEAD_ROWS + q_start
+        q_col = head * Q_HEAD_COLS
         n_q = N_QUERIES
         n_k = N_KEYS
         if HAS_WINDOW:  # the keys from the first row's left edge to the last row's right edge
@@ -346,7 +360,7 @@ def flash_fwd_gluon_kernel(
                              L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
                              BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 1)),
             (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row + k_first,
-                             kv_col, n_tiles, BLOCK_N, STAGES)),
+                             kv_col, v_row + k_first, v_col, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
@@ -360,5 +374,5 @@ def flash_fwd_gluon_kernel(
                              L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
                              BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 2)),
             (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row + k_first,
-                             kv_col, n_tiles, BLOCK_N, STAGES)),
+                             kv_col, v_row + k_first, v_col, n_tiles, BLOCK_N, STAGES)),
         ], [4, 4, 1], [REGS_3WG, REGS_3WG, 24])

@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
 from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, \
-    SINGLE_PASS_KEYS_CONFIGS, kv_configs
+    SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
@@ -37,17 +37,20 @@ def _row_layout() -> gl.NVMMASharedLayout:
 class _Tma:
     """An argument template's TMA descriptor: call tensor `index` as the 2-D view `shape` (rows of contiguous values)
     in boxes of `block`, laid out in shared memory as `layout`. `rows`: an fp32 L or delta, copied where its base is
-    not 16-byte aligned (TMA's condition): that copy's descriptor serves one launch only."""
+    not 16-byte aligned (TMA's condition): that copy's descriptor serves one launch only. `heads_inside`: a
+    (B, H, S, D) view of (B, S, H, D) memory, viewed as (B·S, H·D)."""
 
-    __slots__ = ("index", "shape", "block", "layout", "rows")
+    __slots__ = ("index", "shape", "block", "layout", "rows", "heads_inside")
 
-    def __init__(self, index: int, shape: tuple[int, int], block: tuple[int, int], layout, rows: bool = False):
+    def __init__(self, index: int, shape: tuple[int, int], block: tuple[int, int], layout, rows: bool = False,
+                 heads_inside: bool = False):
         self.index, self.shape, self.block, self.layout, self.rows = index, shape, block, layout, rows
+        self.heads_inside = heads_inside
 
     def descriptor(self, t: torch.Tensor) -> TensorDescriptor:
         if self.rows and t.data_ptr() % 16:
             t = t.clone()
-        flat = t.view(self.shape)
+        flat = (t.transpose(1, 2) if self.heads_inside else t).view(self.shape)
         return TensorDescriptor(flat, list(self.shape), list(flat.stride()), list(self.block), self.layout)
 
 
@@ -63,11 +66,22 @@ class _Arg:
 _SCALE = object()  # the argument template's place for the call's softmax scale (a float no plan fixes)
 
 
-def _tiles(tensors: tuple, index: int, rows: int) -> _Tma:
-    """Call tensor `index` (·, D) as its (rows, D) view, tiles of `rows` rows."""
+def _tiles(tensors: tuple, index: int, rows: int, heads_inside_ok: bool = False) -> _Tma:
+    """Call tensor `index` (·, D) as its (rows, D) view, tiles of `rows` rows; with heads_inside_ok (a kernel that
+    takes `_head_rows`), a `heads_inside` (B, H, S, D) tensor as its (B·S, H·D) view, a head's D columns per box."""
     t = tensors[index]
     d = t.shape[-1]
+    if heads_inside_ok and heads_inside(t):
+        batch, heads, seq, _ = t.shape
+        return _Tma(index, (batch * seq, heads * d), (rows, d), _smem_layout(rows, d, t.dtype), heads_inside=True)
     return _Tma(index, (t.numel() // d, d), (rows, d), _smem_layout(rows, d, t.dtype))
+
+
+def _head_rows(t: torch.Tensor) -> tuple[int, int, int]:
+    """Where head h of batch b of a (B, H, S, D) call tensor starts in its `_tiles` view: row b·first + h·second,
+    column h·third."""
+    _, heads, seq, d = t.shape
+    return (seq, 0, d) if heads_inside(t) else (heads * seq, seq, 0)
 
 
 def _row_tiles(tensors: tuple, index: int, cols: int) -> _Tma:
@@ -488,7 +502,7 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     template = (_packed_tiles(tensors, 0, block_m), _packed_tiles(tensors, 1, block_n),
                 _packed_tiles(tensors, 2, block_n), _packed_tiles(tensors, 3, block_m), _Arg(4), heads,
                 heads // kv_heads, total_q, total_k, _SCALE, left, right, _Arg(3), _Arg(5), _Arg(6), _Arg(7), batch,
-                heads, heads)  # (head groups: unread)
+                heads, heads, *(0,) * 9)  # (head groups and the dense layouts' rows: unread)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
     key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
@@ -509,7 +523,7 @@ def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
 def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, int] | None = None):
     """(kernel, grid, argument template, constexprs, cache key) of a forward launch on the call tensors (q4, k4, v4,
     o4, lse) (band: a window's, `chooser.band`)."""
-    q4, k4, _, _, lse = tensors
+    q4, k4, v4, o4, lse = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
@@ -526,17 +540,22 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
         group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
     else:  # (a window's programs read the band that their neighbours read: the plain order)
         group = tail = batch * heads
-    template = (_tiles(tensors, 0, block_m), _tiles(tensors, 1, block_n), _tiles(tensors, 2, block_n),
-                _tiles(tensors, 3, block_m), _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
-                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail)  # (_Arg(3) .. 0: a packed call's five)
+    if heads_inside(o4) != heads_inside(q4):
+        raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
+    rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
+    tiles = (_tiles(tensors, i, r, heads_inside_ok=True) for i, r in enumerate(rows))
+    template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
+                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail,  # (_Arg(3) .. 0: a packed call's five)
+                *_head_rows(q4), *_head_rows(k4), *_head_rows(v4))
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail)  # (the grid: `_kv_launch_plan`)
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail,
+           heads_inside(q4), heads_inside(k4), heads_inside(v4))  # (the grid: `_kv_launch_plan`)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key
 
 
 def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
             band: tuple[int, int] | None = None) -> None:
-    """O into o4 (contiguous, q's shape) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
+    """O into o4 (q's shape and layout) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
     tensors `fwd_supported` accepted with the same config. band: a sliding window's (`chooser.band`; Nq = Nk).
     (A caller that plans its calls holds a `forward_launch` instead, which plans the launch once.)"""
     tensors = (q4, k4, v4, o4, lse)
