@@ -374,6 +374,36 @@ def test_gluon_forward_reads_heads_inside_tensors_bitwise_as_contiguous_ones(hea
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layouts", ["v,do", "q,k,v,do", "q", "k"])
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (8, 2, 128)], ids=["mha-d64", "gqa-d128"])
+def test_gluon_single_pass_reads_heads_inside_tensors_as_contiguous_ones(heads, kv_heads, d, layouts, is_causal):
+    """The named tensors as (B, H, S, D) views of (B, S, H, D) memory (as a model's projections and its dO give
+    them) run the keys-on-rows single pass where they lie, nothing copied: dK and dV bitwise those of the contiguous
+    call and in K's and V's layouts, dQ (added in fp32 in an unordered sum) within its rounding."""
+    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    q, do = (randn_cuda(2, heads, 1024, d, seed=80 + i) for i in range(2))
+    k, v = (randn_cuda(2, kv_heads, 1024, d, seed=82 + i) for i in range(2))
+    contiguous = {"q": q, "k": k, "v": v, "do": do}
+    inside = {name: t.transpose(1, 2).contiguous().transpose(1, 2) if name in layouts.split(",") else t
+              for name, t in contiguous.items()}
+    assert all(flash_gluon.heads_inside(inside[name]) for name in layouts.split(","))
+    assert flash_gluon.supported(*inside.values(), single_pass=True)
+    assert not flash_gluon.supported(*inside.values())  # (the two-pass dK/dV pass: contiguous only)
+    opts = KernelOptions(gluon_kv=True, deterministic=False)
+    o, lse = flash_forward_triton(q, k, v, is_causal, opts)
+    dq, dk, dv = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
+    dq_in, dk_in, dv_in = flash_backward_triton(inside["q"], inside["k"], inside["v"], o, lse, inside["do"],
+                                                is_causal, opts)
+    assert (dk_in.stride(), dv_in.stride()) == (inside["k"].stride(), inside["v"].stride())
+    assert torch.equal(dk_in, dk) and torch.equal(dv_in, dv)
+    torch.testing.assert_close(dq_in, dq, atol=2e-2, rtol=1e-2)
+    assert rel_err(dq_in, dq) < 1e-3
+
+
+@pytest.mark.gpu
 def test_gluon_forward_cached_launch_repeats_bitwise():
     from cs336_systems.flash import gluon as flash_gluon
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
@@ -505,6 +535,34 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     assert template[-9:-6] == (s, 0, d)
 
 
+def test_gluon_single_pass_plans_heads_inside_tensors_where_they_lie():
+    """The keys-on-rows single pass takes each of Q, K, V and dO as a descriptor over its (B·S, H·D) view where it
+    is a (B, H, S, D) view of (B, S, H, D) memory, a head's D columns per box, with a compile-time flag a tensor;
+    dK and dV must lie as K and V do; the two-pass dK/dV pass keeps contiguous tensors. CPU placeholders."""
+    from cs336_systems.flash.gluon import interface
+
+    b, h, h_kv, s, d = 2, 8, 2, 512, 64
+    q = torch.empty(b, h, s, d, dtype=torch.bfloat16)
+    k = torch.empty(b, h_kv, s, d, dtype=torch.bfloat16)
+    v = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16).transpose(1, 2)
+    do = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    lse, acc = torch.empty(b * h, s), torch.empty(b * h, s, d)
+    tensors = (q, k, v, do, lse, lse, torch.empty_like(k), torch.empty_like(v), acc)
+    _, _, template, constexprs, key = interface._kv_launch_plan(tensors, True, None)
+    assert {n: constexprs[f"{n}_INSIDE"] for n in ("Q", "K", "V", "DO")} == dict(Q=False, K=False, V=True, DO=True)
+    assert list(constexprs)[-1] == "num_warps"  # (the cached launch passes them in the kernel's order)
+    args = interface._arguments(template, tensors, d ** -0.5)
+    assert list(args[0].shape) == [b * h * s, d] and list(args[1].shape) == [b * h_kv * s, d]
+    for i, width in ((2, h_kv * d), (3, h * d), (5, h_kv * d)):  # V, dO, dV
+        assert list(args[i].shape) == [b * s, width] and list(args[i].strides) == [width, 1]
+    assert args[2].block_shape == args[1].block_shape and args[3].block_shape == args[0].block_shape
+    contiguous = (q, k, v.contiguous(), do.contiguous(), lse, lse, torch.empty_like(k), torch.empty_like(k), acc)
+    _, _, _, contiguous_constexprs, contiguous_key = interface._kv_launch_plan(contiguous, True, None)
+    assert key != contiguous_key and not any(contiguous_constexprs[f"{n}_INSIDE"] for n in ("Q", "K", "V", "DO"))
+    with pytest.raises(ValueError, match="dk4, dv4 must have their layouts"):
+        interface._kv_launch_plan((*tensors[:7], torch.empty_like(k), acc), True, None)
+
+
 def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
     """`_band_split`'s own code on Python ints (gl's scalar ops stood in for, C division): over windows, causal
     bands and packed sequences' ends, every tile it gives the unmasked loop is one `_single_keys_p` would not mask,
@@ -563,6 +621,8 @@ def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
                     plans.append(fixed(interface._fwd_launch_plan((q, k, v_inside, q, lse), is_causal, None, band)))
                     plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, acc), is_causal,
                                                                  None, band=band)))
+                    plans.append(fixed(interface._kv_launch_plan((q, k, v_inside, q, lse, lse, k, v_inside, acc),
+                                                                 is_causal, None, band=band)))
                 plans.append(fixed(interface._kv_launch_plan((q, k, k, q, lse, lse, k, k, None), is_causal, None)))
             for lengths in ((100, 200), (150, 150), (100, 100, 100)):
                 cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

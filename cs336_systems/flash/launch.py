@@ -255,7 +255,7 @@ def call_facts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: boo
                      and not (windowed and n_q != k4.shape[2]))
         if do4 is not None and do4.dtype == q4.dtype:
             config = _gluon_config(opts, opts.gluon_kv, "kv")
-            # the single pass reads a contiguous dO (copied where it is not), so q stands in for it; under a
+            # the single pass reads dO contiguous or `heads_inside` (copied otherwise), so q stands in for it; under a
             # window only the keys-on-rows one (the chooser keeps the two-pass dK/dV pass out of windowed calls)
             gluon_single = (gluon.supported(q4, k4, v4, q4, config, opts.single_qrows, single_pass=True)
                             and not (windowed and (n_q != k4.shape[2] or opts.single_qrows)))
@@ -578,7 +578,7 @@ def plan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
     # dO from o.sum().backward() is an expand (all strides 0), which no TMA descriptor takes: one copy
     # (the size of O) keeps the passes on TMA instead of dropping them to block pointers. The fused dQ
     # pass reads dO through pointers and writes the copy the dK/dV pass loads.
-    copy_do = call.tma and (not tma_ok(do4) or gluon_single and not do4.is_contiguous())
+    copy_do = call.tma and (not tma_ok(do4) or gluon_single and not (do4.is_contiguous() or gluon.heads_inside(do4)))
     d_tile = padded_dim(d)
     dq_chunk, kv_chunk = choice.dq_chunk, choice.kv_chunk
     dq_chunks, kv_chunks = -(-n_k // dq_chunk) if dq_chunk else 1, -(-n_q // kv_chunk) if kv_chunk else 1

@@ -64,10 +64,10 @@ Launches after the first of a signature call the compiled kernel's C launch dire
 descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
 per signature (`forward_launch`, `kv_launch`), which builds the arguments from a template fixed at its first call.
 Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
-sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors (the forward also (B, H, S, D) views of
-(B, S, H, D) memory, `heads_inside`, as a model's projections give them), sequence lengths that divide into the
-tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass only, on
-self-attention. Packed sequences (varlen) in the forward and the keys-on-rows single pass (`packed_forward`,
+sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors (the forward and the keys-on-rows single
+pass also (B, H, S, D) views of (B, S, H, D) memory, `heads_inside`, as a model's projections give them), sequence
+lengths that divide into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass
+only, on self-attention. Packed sequences (varlen) in the forward and the keys-on-rows single pass (`packed_forward`,
 `packed_kv_pass`: any lengths, a window, grouped-query heads; a grid of (heads, slots) over a table of (sequence,
 tile) slots made on the device, longest first; every tile checks the sequence's end at run time). Gluon has no
 interpreter, so these kernels run only on the GPU (tests marked gpu).

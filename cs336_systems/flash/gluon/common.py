@@ -139,16 +139,18 @@ def kv_barriers_invalidated(ready, kv_bar, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES: gl.constexpr):
-    """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA)."""
+def kv_program_end(dk, dv, scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, ready, kv_bar,
+                   STAGES: gl.constexpr):
+    """Barriers invalidated; dK·scale and dV stored (through shared memory, by TMA) at (row, column) of their
+    views."""
     dtype: gl.constexpr = dk_desc.dtype
     kv_barriers_invalidated(ready, kv_bar, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     out_smem.index(0).store((dk * scale).to(dtype))
     out_smem.index(1).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [kv_row, 0], out_smem.index(0))
-    tma.async_copy_shared_to_global(dv_desc, [kv_row, 0], out_smem.index(1))
+    tma.async_copy_shared_to_global(dk_desc, [dk_row, dk_col], out_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [dv_row, dv_col], out_smem.index(1))
     tma.store_wait(pendings=0)
 
 

@@ -62,14 +62,15 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
               qrows: bool = False, single_pass: bool = False) -> bool:
     """Whether `kv_pass` (with `qrows`; with a dQ accumulator if `single_pass`) takes these (B, H, S, D)
     tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the queries-on-rows single pass d 64),
-    contiguous, whole tiles (for the keys-on-rows single pass, queries in whole BLOCK_N as well: a causal key
-    tile then sees an even number of BLOCK_M query tiles, as its loop takes them)."""
+    contiguous (the keys-on-rows single pass: or `heads_inside`, read where they lie), whole tiles (for the
+    keys-on-rows single pass, queries in whole BLOCK_N as well: a causal key tile then sees an even number of
+    BLOCK_M query tiles, as its loop takes them)."""
     d = q4.shape[-1]
     configs = kv_configs(qrows, single_pass)
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n or (single_pass and not qrows and q4.shape[2] % block_n):
         return False
-    return _takes((q4, k4, v4, do4), d, configs)
+    return _takes((q4, k4, v4, do4), d, configs, heads_inside_ok=single_pass and not qrows)
 
 
 def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:

@@ -78,4 +78,4 @@ def flash_bwd_kv_gluon_kernel(
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, 0, kv_row, 0, ready, kv_bar, STAGES)

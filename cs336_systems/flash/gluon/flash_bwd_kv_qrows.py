@@ -143,4 +143,4 @@ def flash_bwd_kv_qrows_gluon_kernel(
         tma.store_wait(pendings=0)
         gl.thread_barrier()
 
-    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, 0, kv_row, 0, ready, kv_bar, STAGES)

@@ -55,42 +55,61 @@ def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows
 
 
 @gluon.jit
-def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, BLOCK_M: gl.constexpr, D: gl.constexpr,
-                IS_VARLEN: gl.constexpr):
+def _head_tile(head, local, N_HEADS, N_ROWS, D: gl.constexpr, INSIDE: gl.constexpr):
+    """(row, column) of row `local` of head `head` (a batch·H index, H = N_HEADS, N_ROWS rows a head) in a dense
+    (B·H·N_ROWS, D) view, or with INSIDE in the (B·N_ROWS, H·D) view of (B, N_ROWS, H, D) memory (compile-time
+    flags, not runtime strides: runtime values passed to the loader warp cost the compute warps' loop spills)."""
+    if INSIDE:
+        row = head // N_HEADS * N_ROWS + local
+        col = head % N_HEADS * D
+    else:
+        row = head * N_ROWS + local
+        col = local * 0
+    return row, col
+
+
+@gluon.jit
+def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                IS_VARLEN: gl.constexpr, Q_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr):
     """Where query tile t of a single-pass program (n_vis tiles per query head of the group) lies: (row, column) in
-    the views of Q and dO, row in the dQ accumulator's (·, D) view, (row, column) in the views of L and delta. Dense:
-    rows of the (B·H·Nq, D) views (L and delta a row per query tile). Packed (IS_VARLEN, the sequence's first query
-    at row q0): rows of the (total_q, H·D) views, a head's D columns; the accumulator (H, total_q, D); L and delta
-    (H, ·) with the sequence from column l0 (a TMA box starts at a 16-byte-aligned address: `packed_rows`)."""
+    the views of Q and of dO, row in the dQ accumulator's (·, D) view, (row, column) in the views of L and delta.
+    Dense: Q and dO as `_head_tile` places them (Q_INSIDE, DO_INSIDE), the accumulator (B·H·Nq, D), L and delta a
+    row per query tile. Packed (IS_VARLEN, the sequence's first query at row q0): rows of the (total_q, H·D) views, a
+    head's D columns; the accumulator (H, total_q, D); L and delta (H, ·) with the sequence from column l0 (a TMA box
+    starts at a 16-byte-aligned address: `packed_rows`)."""
     head = first_head + t // n_vis
     local = q_first + (t % n_vis) * BLOCK_M
     if IS_VARLEN:
         row = q0 + local
         col = head * D
+        do_row = row
+        do_col = col
         acc_row = head * N_QUERIES + row
         l_row = head
         l_col = l0 + local
     else:
-        row = head * N_QUERIES + local
-        col = row * 0
-        acc_row = row
-        l_row = row // BLOCK_M
-        l_col = col
-    return row, col, acc_row, l_row, l_col
+        row, col = _head_tile(head, local, N_HEADS, N_QUERIES, D, Q_INSIDE)
+        do_row, do_col = _head_tile(head, local, N_HEADS, N_QUERIES, D, DO_INSIDE)
+        acc_row = head * N_QUERIES + local
+        l_row = acc_row // BLOCK_M
+        l_col = col * 0
+    return row, col, do_row, do_col, acc_row, l_row, l_col
 
 
 @gluon.jit
 def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
-                        lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, kv_col, total, n_vis,
-                        first_head, q_first, q0, l0, N_QUERIES, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                        IS_VARLEN: gl.constexpr):
+                        lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_at, total, n_vis, first_head,
+                        q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                        IS_VARLEN: gl.constexpr, Q_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr):
     """The loader warp of `flash_bwd_single_keys_gluon_kernel`: K and V once, then per query tile t, once its
     stage is free (`empty`: the compute warps are past tile t-STAGES), Q, dO, L and delta into stage t % STAGES
     (`ready`). It also passes the news on to the dQ warp: past tile t-STAGES, the compute warps have stored the
-    dQ of tile t-STAGES-1 (`dq_full`), so that their loop arrives on one barrier per tile, not two."""
+    dQ of tile t-STAGES-1 (`dq_full`), so that their loop arrives on one barrier per tile, not two. kv_at: (row,
+    column) of the key tile in K's view, then in V's."""
+    k_row, k_col, v_row, v_col = kv_at
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + delta_desc.block_type.nbytes)
     for t in range(total):
@@ -98,12 +117,13 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # (a fresh barrier passes phase 1)
         if t >= STAGES + 1:
             mbarrier.arrive(dq_full.index((t - STAGES - 1) % 2))
-        row, col, _, l_row, l_col = _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, BLOCK_M,
-                                                q_desc.block_type.shape[1], IS_VARLEN)
+        row, col, do_row, do_col, _, l_row, l_col = _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES,
+                                                                N_HEADS, BLOCK_M, q_desc.block_type.shape[1],
+                                                                IS_VARLEN, Q_INSIDE, DO_INSIDE)
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_smem.index(s))
         tma.async_copy_global_to_shared(lse_desc, [l_row, l_col], bar, lse_smem.index(s))
         tma.async_copy_global_to_shared(delta_desc, [l_row, l_col], bar, delta_smem.index(s))
 
@@ -117,8 +137,8 @@ def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first
     for u in range(total):
         b = u % 2
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
-        _, _, row, _, _ = _query_tile(u, n_vis, first_head, q_first, q0, q0, N_QUERIES, BLOCK_M,
-                                      dq_desc.block_type.shape[1], IS_VARLEN)
+        _, _, _, _, row, _, _ = _query_tile(u, n_vis, first_head, q_first, q0, q0, N_QUERIES, 1, BLOCK_M,
+                                            dq_desc.block_type.shape[1], IS_VARLEN, False, False)  # (its row only)
         if b == 0:
             tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
         else:
@@ -385,13 +405,17 @@ def flash_bwd_single_keys_gluon_kernel(
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL, WINDOW_LEFT, WINDOW_RIGHT,
     CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr, Q_INSIDE: gl.constexpr,
+    K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The single-pass backward with the keys on rows (FlashAttention-3's d-64 layout). Grid (batch·kv_heads,
     key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
-    fp32 descriptors, a row per query tile. With IS_VARLEN, packed sequences (`_packed_kv_program`): grid
-    (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over the (total, heads·D) views of
-    the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`); N_QUERIES, N_KEYS the totals;
+    fp32 descriptors, a row per query tile. Each of Q, K (and dK, in K's layout), V (and dV) and dO is a
+    (B·H·S, D) view or, with its *_INSIDE flag, the (B·S, H·D) view of (B, S, H, D) memory, a head's D columns per
+    box (`_head_tile`). With IS_VARLEN, packed sequences
+    (`_packed_kv_program`): grid (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over
+    the (total, heads·D) views of the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`);
+    N_QUERIES, N_KEYS the totals;
     dk_desc and dv_desc the packed dK and dV themselves, stored with a mask (a TMA store of a tile past the
     sequence's end would write the next sequence's rows); every tile checks the causal diagonal, the window and the
     sequence's ends at run time as a window's tiles do, so that the rows of the neighbouring sequences that a tile
@@ -429,12 +453,16 @@ def flash_bwd_single_keys_gluon_kernel(
     if IS_VARLEN:  # (window and causal folded into the band; a query without keys is in no program's band)
         k_start, kv_row, kv_col, first_head, q0, l0, n_q, n_k = _packed_kv_program(
             TILES, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N, D)
+        kv_at = (kv_row, kv_col, kv_row, kv_col)
         q_first, n_vis, total = _band_tiles(k_start, n_q, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     else:
-        k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
-        kv_col = k_start * 0
-        q0 = kv_col
-        l0 = kv_col
+        k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+        kv_head = first_head // KV_GROUP  # (batch·Hkv index: a program's query heads are one kv head's group)
+        k_row, k_col = _head_tile(kv_head, k_start, N_HEADS // KV_GROUP, N_KEYS, D, K_INSIDE)
+        v_row, v_col = _head_tile(kv_head, k_start, N_HEADS // KV_GROUP, N_KEYS, D, V_INSIDE)
+        kv_at = (k_row, k_col, v_row, v_col)
+        q0 = k_start * 0
+        l0 = q0
         n_q = N_QUERIES
         n_k = N_KEYS
         if HAS_WINDOW:  # (self-attention: every query sees its own key, so no row's L is -inf)
@@ -477,8 +505,9 @@ def flash_bwd_single_keys_gluon_kernel(
                                 D, STAGES, is_causal, (k_start, WINDOW_LEFT, WINDOW_RIGHT, n_q, n_k), EDGES,
                                 num_warps)),
         (_single_keys_loader, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem, do_smem,
-                               lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_row, kv_col, total, n_vis,
-                               first_head, q_first, q0, l0, N_QUERIES, BLOCK_M, STAGES, IS_VARLEN)),
+                               lse_smem, delta_smem, ready, empty, dq_full, kv_bar, kv_at, total, n_vis, first_head,
+                               q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK_M, STAGES, IS_VARLEN, Q_INSIDE,
+                               DO_INSIDE)),
         (_single_keys_dq_writer, (dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, q0, N_QUERIES,
                                   BLOCK_M, IS_VARLEN)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -491,4 +520,5 @@ def flash_bwd_single_keys_gluon_kernel(
         _packed_kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, kv_col, n_k - k_start,
                                (N_HEADS // KV_GROUP) * D, ready, kv_bar, STAGES)
     else:
-        kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, ready, kv_bar, STAGES)
+        k_row, k_col, v_row, v_col = kv_at
+        kv_program_end(dk, dv, scale, dk_desc, dv_desc, k_row, k_col, v_row, v_col, ready, kv_bar, STAGES)

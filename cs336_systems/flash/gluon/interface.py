@@ -311,10 +311,14 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     v4, do4, lse, delta, dk4, dv4, dq_acc) (with dq_acc, not None: the single pass); groups: `grouped_program`'s
     (HEAD_GROUP, TAIL) (default `kv_head_groups`'); band: a window's (`chooser.band`), which only the keys-on-rows
     single pass takes, on self-attention."""
-    q4, k4, _, _, lse, delta, _, _, dq_acc = tensors
+    q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
+    # (the keys-on-rows single pass reads each of Q, K, V and dO where it lies, and stores dK, dV as K, V lie)
+    inside_ok = single and not qrows
+    if inside_ok and (heads_inside(dk4) != heads_inside(k4) or heads_inside(dv4) != heads_inside(v4)):
+        raise ValueError("the Gluon single pass stores dK and dV where K and V lie: dk4, dv4 must have their layouts")
     if band is not None and (qrows or not single or n_q != n_k):
         raise ValueError(f"a window runs only in the keys-on-rows single pass, on self-attention (Nq = Nk), got "
                          f"qrows={qrows}, single pass {single}, Nq {n_q}, Nk {n_k}")
@@ -330,10 +334,11 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     if single and not qrows:
-        constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False)
+        constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False,
+                          **{f"{n}_INSIDE": heads_inside(t) for n, t in zip(("Q", "K", "V", "DO"), (q4, k4, v4, do4))})
     grid = (batch * kv_heads, n_k // block_n, 1)
-    template = (_tiles(tensors, 0, block_m), _tiles(tensors, 1, block_n), _tiles(tensors, 2, block_n),
-                _tiles(tensors, 3, block_m), _tiles(tensors, 6, block_n), _tiles(tensors, 7, block_n))
+    rows = (block_m, block_n, block_n, block_m, None, None, block_n, block_n)  # Q, K, V, dO, -, -, dK, dV
+    template = tuple(_tiles(tensors, i, rows[i], inside_ok) for i in (0, 1, 2, 3, 6, 7))
     if single and not qrows:  # L and delta through the loader warp's TMA, a row per query tile
         template += (_row_tiles(tensors, 4, block_m), _row_tiles(tensors, 5, block_m))
     else:
@@ -352,7 +357,7 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None, group, tail, band)
+           dq_acc is not None, group, tail, band, *(heads_inside(t) for t in (q4, k4, v4, do4)))
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, template, constexprs, key
@@ -361,9 +366,10 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
             cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None,
             band: tuple[int, int] | None = None) -> None:
-    """dK·scale, dV into dk4, dv4 (contiguous) for tensors `supported` accepted with the same config and
-    `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
-    launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
+    """dK·scale, dV into dk4, dv4 (contiguous; the keys-on-rows single pass's: in k4's and v4's layouts) for
+    tensors `supported` accepted with the same config and `qrows` (and `single_pass` with dq_acc); lse, delta:
+    contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only Triton's own launch path
+    calls) launches through the JIT every time.
     qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
@@ -468,7 +474,8 @@ def _packed_launch_plan(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, c
                 heads, heads // kv_heads, total_q, total_k, _SCALE, 1, max(1, kv_heads // PACKED_TAIL), left, right,
                 _Arg(9), _Arg(10), _Arg(11), batch)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
-                      HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=warps)
+                      HAS_WINDOW=band is not None, IS_VARLEN=True, Q_INSIDE=False, K_INSIDE=False, V_INSIDE=False,
+                      DO_INSIDE=False, num_warps=warps)
     # (the integers the JIT specializes: the sizes whole; the offsets' alignment; and the band, which the cached
     # launch's template holds)
     key = ("kv_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
