@@ -337,8 +337,8 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
         constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False,
                           **{f"{n}_INSIDE": heads_inside(t) for n, t in zip(("Q", "K", "V", "DO"), (q4, k4, v4, do4))})
     grid = (batch * kv_heads, n_k // block_n, 1)
-    rows = (block_m, block_n, block_n, block_m, None, None, block_n, block_n)  # Q, K, V, dO, -, -, dK, dV
-    template = tuple(_tiles(tensors, i, rows[i], inside_ok) for i in (0, 1, 2, 3, 6, 7))
+    template = tuple(_tiles(tensors, i, rows, inside_ok)  # Q, K, V, dO, dK, dV
+                     for i, rows in zip((0, 1, 2, 3, 6, 7), (block_m, block_n, block_n, block_m, block_n, block_n)))
     if single and not qrows:  # L and delta through the loader warp's TMA, a row per query tile
         template += (_row_tiles(tensors, 4, block_m), _row_tiles(tensors, 5, block_m))
     else:
