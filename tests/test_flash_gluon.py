@@ -265,7 +265,8 @@ def test_gluon_kv_pass_declines_what_it_cannot_tile():
     assert not flash_gluon.supported(q[:, :, :1000], k[:, :, :1000], v[:, :, :1000], do[:, :, :1000].contiguous())
     assert not flash_gluon.supported(*(t[..., :32].contiguous() for t in (q, k, v, do)))
     assert not flash_gluon.supported(*(t.float() for t in (q, k, v, do)))
-    assert not flash_gluon.supported(q, k, v, do.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not flash_gluon.supported(q, k, v, do.transpose(2, 3).contiguous().transpose(2, 3))  # (D not innermost)
+    assert flash_gluon.supported(q, k, v, do.transpose(1, 2).contiguous().transpose(1, 2))  # (read where it lies)
     # the keys-on-rows single pass at d 128 (64 queries × 128 keys): query lengths in whole key tiles only
     q, k = (randn_cuda(1, 2, 1024, 128, seed=64 + i, dtype=torch.bfloat16) for i in range(2))
     assert flash_gluon.supported(q, k, k, q, single_pass=True)
@@ -351,53 +352,129 @@ def test_gluon_forward_declines_what_it_cannot_tile():
     assert flash_gluon.fwd_supported(q, k, v.transpose(1, 2).contiguous().transpose(1, 2))  # (a model's v)
 
 
+def _in_layouts(tensors: dict, layouts: str) -> dict:
+    """The named tensors as (B, H, S, D) views of (B, S, H, D) memory (a model's projection outputs), or with
+    "fused", q, k and v as slices of one fused projection's (B, S, (H + 2·Hkv)·D) output (rows (H + 2·Hkv)·D apart)
+    and the rest as projection outputs; the same values."""
+    names = tensors if layouts == "fused" else layouts.split(",")
+    out = {n: t.transpose(1, 2).contiguous().transpose(1, 2) if n in names else t for n, t in tensors.items()}
+    if layouts == "fused":
+        q, k, v = (tensors[n] for n in "qkv")
+        (b, h, s, d), h_kv = q.shape, k.shape[1]
+        rows = torch.cat([t.transpose(1, 2).reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        widths = (h * d, h_kv * d, h_kv * d)
+        for n, t, start in zip("qkv", (q, k, v), (0, widths[0], widths[0] + widths[1])):
+            out[n] = rows[..., start:start + t.shape[1] * d].view(b, s, t.shape[1], d).transpose(1, 2)
+    return out
+
+
+def test_row_stride_reads_projection_and_fused_qkv_layouts():
+    """`row_stride`: a (B, H, S, D) view whose rows hold its heads side by side, (B, S, H, D) memory or a slice of a
+    fused QKV projection, is read as (B·S, H·D) with its own row stride; contiguous tensors, D or heads not in
+    place, rows that overlap, and batches that do not follow their sequences are not."""
+    from cs336_systems.flash.gluon import heads_inside, row_stride
+
+    b, h, s, d = 2, 4, 8, 16
+    proj = torch.empty(b, s, h, d).transpose(1, 2)
+    assert row_stride(proj) == h * d and heads_inside(proj)
+    fused = _in_layouts({"q": torch.zeros(b, h, s, d), "k": torch.zeros(b, 2, s, d), "v": torch.zeros(b, 2, s, d)},
+                        "fused")
+    assert [row_stride(fused[n]) for n in "qkv"] == [(h + 4) * d] * 3
+    assert row_stride(torch.empty(b, h, s, d)) is None and not heads_inside(torch.empty(b, h, s, d))
+    assert row_stride(torch.empty(b, s, d, h).permute(0, 3, 1, 2)) is None  # (D not innermost)
+    assert row_stride(torch.empty(b, s, d, h).transpose(1, 3).transpose(2, 3)) is None  # (heads not D apart)
+    assert row_stride(torch.empty(b, s * h * d).as_strided((b, h, s, d), (s * h * d, d, d, 1))) is None  # (overlap)
+    assert row_stride(torch.empty(s, b, h, d).permute(1, 2, 0, 3)) is None  # (batches inside the rows)
+    assert row_stride(torch.empty(1, 1, h, d).expand(b, s, h, d).transpose(1, 2)) is None  # (an expand)
+    assert row_stride(torch.empty(b, 1, h, d).transpose(1, 2)) is None  # (one position of (B, S, H, D): contiguous)
+    one = torch.empty(b, 1, 3 * h * d)[..., :h * d].view(b, 1, h, d).transpose(1, 2)  # (one position of a fused QKV)
+    assert row_stride(one) == 3 * h * d
+
+
+def test_gluon_plans_read_fused_qkv_slices_with_their_row_stride():
+    """Slices of a fused QKV projection reach the forward and the dK/dV passes as descriptors over (B·S, H·D) with
+    the projection's row stride, from each slice's own address; the keys tell them from (B, S, H, D) tensors. CPU
+    placeholders: nothing is launched."""
+    from cs336_systems.flash.gluon import interface
+
+    b, h, h_kv, s, d = 2, 8, 2, 512, 64
+    fused = _in_layouts({"q": torch.zeros(b, h, s, d, dtype=torch.bfloat16),
+                         "k": torch.zeros(b, h_kv, s, d, dtype=torch.bfloat16),
+                         "v": torch.zeros(b, h_kv, s, d, dtype=torch.bfloat16)}, "fused")
+    q, k, v = (fused[n] for n in "qkv")
+    plain = {n: t.transpose(1, 2).contiguous().transpose(1, 2) for n, t in fused.items()}
+    o, lse = torch.empty_like(plain["q"]), torch.empty(b * h, s)
+    width = (h + 2 * h_kv) * d
+    _, _, template, _, key = interface._fwd_launch_plan((q, k, v, o, lse), True, None)
+    args = interface._arguments(template, (q, k, v, o, lse), d ** -0.5)
+    for i, t in enumerate((q, k, v)):
+        assert list(args[i].strides) == [width, 1] and list(args[i].shape) == [b * s, t.shape[1] * d]
+        assert args[i].base.data_ptr() == t.data_ptr()
+    assert list(args[3].strides) == [h * d, 1]  # (O as a (B, S, H, D) tensor)
+    _, _, _, _, plain_key = interface._fwd_launch_plan((*plain.values(), o, lse), True, None)
+    assert key != plain_key
+    do, acc = torch.empty_like(plain["q"]), torch.empty(b * h, s, d)
+    tensors = (q, k, v, do, lse, lse, torch.empty_like(plain["k"]), torch.empty_like(plain["v"]), acc)
+    _, _, template, constexprs, key = interface._kv_launch_plan(tensors, True, None)
+    assert all(constexprs[f"{n}_INSIDE"] for n in ("Q", "K", "V", "DO"))
+    args = interface._arguments(template, tensors, d ** -0.5)
+    assert [list(args[i].strides) for i in range(6)] == [[width, 1]] * 3 + [[h * d, 1], [h_kv * d, 1], [h_kv * d, 1]]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("layouts", ["v", "qkv", "q", "k"])
+@pytest.mark.parametrize("layouts", ["v", "q,k,v", "q", "k", "fused"])
 @pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (8, 2, 128)], ids=["mha-d64", "gqa-d128"])
 def test_gluon_forward_reads_heads_inside_tensors_bitwise_as_contiguous_ones(heads, kv_heads, d, layouts, is_causal):
-    """The named inputs as (B, H, S, D) views of (B, S, H, D) memory (as a model's projections give them), read where
-    they lie: O and L bitwise those of the contiguous call, O in q's layout."""
+    """The named inputs as (B, H, S, D) views of (B, S, H, D) memory (as a model's projections give them), or slices
+    of one fused QKV projection (`_in_layouts`), read where they lie: O and L bitwise those of the contiguous call,
+    O in the (B, S, H, D) layout where q has its heads inside."""
     from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.launch import empty_like
     from cs336_systems.flash_triton import KernelOptions, flash_forward_triton
 
     q = randn_cuda(2, heads, 1024, d, seed=70)
     k, v = (randn_cuda(2, kv_heads, 1024, d, seed=71 + i) for i in range(2))
-    inside = {name: t.transpose(1, 2).contiguous().transpose(1, 2) if name in layouts else t
-              for name, t in zip("qkv", (q, k, v))}
+    inside = _in_layouts({"q": q, "k": k, "v": v}, layouts)
     assert flash_gluon.fwd_supported(*inside.values()) and flash_gluon.fwd_supported(q, k, v)
     opts = KernelOptions(gluon_fwd=True)
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
     o_inside, lse_inside = flash_forward_triton(*inside.values(), is_causal, opts)
-    assert o_inside.stride() == (inside["q"].stride() if "q" in layouts else o.stride())
+    assert o_inside.stride() == empty_like(inside["q"]).stride()
     assert torch.equal(o_inside, o) and torch.equal(lse_inside, lse)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("design", ["single-pass", "kv-keys", "kv-qrows"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("layouts", ["v,do", "q,k,v,do", "q", "k"])
+@pytest.mark.parametrize("layouts", ["v,do", "q,k,v,do", "q", "k", "fused"])
 @pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (8, 2, 128)], ids=["mha-d64", "gqa-d128"])
-def test_gluon_single_pass_reads_heads_inside_tensors_as_contiguous_ones(heads, kv_heads, d, layouts, is_causal):
+def test_gluon_backward_reads_heads_inside_tensors_as_contiguous_ones(heads, kv_heads, d, layouts, is_causal, design):
     """The named tensors as (B, H, S, D) views of (B, S, H, D) memory (as a model's projections and its dO give
-    them) run the keys-on-rows single pass where they lie, nothing copied: dK and dV bitwise those of the contiguous
-    call and in K's and V's layouts, dQ (added in fp32 in an unordered sum) within its rounding."""
+    them) run the Gluon single pass, or the two-pass design's Gluon dK/dV pass (keys or queries on rows), where they
+    lie, nothing copied: dK and dV bitwise those of the contiguous call and in K's and V's layouts, dQ within its
+    rounding (the single pass adds it in fp32 in an unordered sum)."""
+    from cs336_systems.flash import chooser
     from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.chooser import Backward
+    from cs336_systems.flash.launch import call_facts, empty_like
     from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
 
     q, do = (randn_cuda(2, heads, 1024, d, seed=80 + i) for i in range(2))
     k, v = (randn_cuda(2, kv_heads, 1024, d, seed=82 + i) for i in range(2))
-    contiguous = {"q": q, "k": k, "v": v, "do": do}
-    inside = {name: t.transpose(1, 2).contiguous().transpose(1, 2) if name in layouts.split(",") else t
-              for name, t in contiguous.items()}
-    assert all(flash_gluon.heads_inside(inside[name]) for name in layouts.split(","))
-    assert flash_gluon.supported(*inside.values(), single_pass=True)
-    assert not flash_gluon.supported(*inside.values())  # (the two-pass dK/dV pass: contiguous only)
-    opts = KernelOptions(gluon_kv=True, deterministic=False)
+    inside = _in_layouts({"q": q, "k": k, "v": v, "do": do}, layouts)
+    names = ("q", "k", "v", "do") if layouts == "fused" else layouts.split(",")
+    assert all(flash_gluon.heads_inside(inside[name]) for name in names)
+    qrows = design == "kv-qrows"
+    assert flash_gluon.supported(*inside.values(), qrows=qrows, single_pass=design == "single-pass")
+    opts = KernelOptions(gluon_kv=True, kv_qrows=qrows, deterministic=design != "single-pass", split_rows=0)
+    choice = chooser.backward_design(call_facts(*(inside[n] for n in "qkv"), is_causal, opts, inside["do"]), opts)
+    assert choice.design is Backward.GLUON_SINGLE if design == "single-pass" else choice.gluon_kv
     o, lse = flash_forward_triton(q, k, v, is_causal, opts)
     dq, dk, dv = flash_backward_triton(q, k, v, o, lse, do, is_causal, opts)
     dq_in, dk_in, dv_in = flash_backward_triton(inside["q"], inside["k"], inside["v"], o, lse, inside["do"],
                                                 is_causal, opts)
-    assert (dk_in.stride(), dv_in.stride()) == (inside["k"].stride(), inside["v"].stride())
+    assert (dk_in.stride(), dv_in.stride()) == (empty_like(inside["k"]).stride(), empty_like(inside["v"]).stride())
     assert torch.equal(dk_in, dk) and torch.equal(dv_in, dv)
     torch.testing.assert_close(dq_in, dq, atol=2e-2, rtol=1e-2)
     assert rel_err(dq_in, dq) < 1e-3
@@ -535,10 +612,13 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     assert template[-9:-6] == (s, 0, d)
 
 
-def test_gluon_single_pass_plans_heads_inside_tensors_where_they_lie():
-    """The keys-on-rows single pass takes each of Q, K, V and dO as a descriptor over its (B·S, H·D) view where it
-    is a (B, H, S, D) view of (B, S, H, D) memory, a head's D columns per box, with a compile-time flag a tensor;
-    dK and dV must lie as K and V do; the two-pass dK/dV pass keeps contiguous tensors. CPU placeholders."""
+@pytest.mark.parametrize("qrows, single", [(False, True), (False, False), (True, False), (True, True)],
+                         ids=["single-pass-keys", "kv-keys", "kv-qrows", "single-pass-qrows"])
+def test_gluon_dk_dv_passes_plan_heads_inside_tensors_where_they_lie(qrows, single):
+    """The dK/dV passes take each of Q, K, V and dO as a descriptor over its (B·S, H·D) view where it is a
+    (B, H, S, D) view of (B, S, H, D) memory, a head's D columns per box, with a compile-time flag a tensor (the
+    constexprs in the kernel's order: the cached launch passes them positionally); dK and dV must lie as K and V
+    do. CPU placeholders: nothing is launched."""
     from cs336_systems.flash.gluon import interface
 
     b, h, h_kv, s, d = 2, 8, 2, 512, 64
@@ -546,21 +626,21 @@ def test_gluon_single_pass_plans_heads_inside_tensors_where_they_lie():
     k = torch.empty(b, h_kv, s, d, dtype=torch.bfloat16)
     v = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16).transpose(1, 2)
     do = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
-    lse, acc = torch.empty(b * h, s), torch.empty(b * h, s, d)
+    lse, acc = torch.empty(b * h, s), torch.empty(b * h, s, d) if single else None
     tensors = (q, k, v, do, lse, lse, torch.empty_like(k), torch.empty_like(v), acc)
-    _, _, template, constexprs, key = interface._kv_launch_plan(tensors, True, None)
+    kernel, _, template, constexprs, key = interface._kv_launch_plan(tensors, True, None, qrows)
+    assert list(constexprs) == [p.name for p in kernel.params if p.is_constexpr]
     assert {n: constexprs[f"{n}_INSIDE"] for n in ("Q", "K", "V", "DO")} == dict(Q=False, K=False, V=True, DO=True)
-    assert list(constexprs)[-1] == "num_warps"  # (the cached launch passes them in the kernel's order)
     args = interface._arguments(template, tensors, d ** -0.5)
     assert list(args[0].shape) == [b * h * s, d] and list(args[1].shape) == [b * h_kv * s, d]
     for i, width in ((2, h_kv * d), (3, h * d), (5, h_kv * d)):  # V, dO, dV
         assert list(args[i].shape) == [b * s, width] and list(args[i].strides) == [width, 1]
     assert args[2].block_shape == args[1].block_shape and args[3].block_shape == args[0].block_shape
     contiguous = (q, k, v.contiguous(), do.contiguous(), lse, lse, torch.empty_like(k), torch.empty_like(k), acc)
-    _, _, _, contiguous_constexprs, contiguous_key = interface._kv_launch_plan(contiguous, True, None)
+    _, _, _, contiguous_constexprs, contiguous_key = interface._kv_launch_plan(contiguous, True, None, qrows)
     assert key != contiguous_key and not any(contiguous_constexprs[f"{n}_INSIDE"] for n in ("Q", "K", "V", "DO"))
     with pytest.raises(ValueError, match="dk4, dv4 must have their layouts"):
-        interface._kv_launch_plan((*tensors[:7], torch.empty_like(k), acc), True, None)
+        interface._kv_launch_plan((*tensors[:7], torch.empty_like(k), acc), True, None, qrows)
 
 
 def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():

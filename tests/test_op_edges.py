@@ -180,6 +180,23 @@ def test_op_outputs_and_grads_keep_a_bshd_layout(cpu_path):
         assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
 
 
+def test_op_outputs_of_fused_qkv_slices_take_the_bshd_layout(cpu_path):
+    """q, k, v as slices of one fused projection ((B, H, S, D) views whose rows are 3·H·D apart): O comes back as a
+    (B, H, S, D) view of (B, S, H, D) memory (reshaping it to (B, S, H·D) is a view), its real and fake strides
+    agree, and the values match a float64 reference."""
+    from cs336_systems.flash.ops import flash_attn_fwd_launch
+
+    q, k, v = _strided_qkv(seed=10)
+    assert q.stride() == (24 * 96, 16, 96, 1)
+    o = flash_attention(q, k, v, is_causal=True)
+    assert o.stride() == (24 * 32, 16, 32, 1) and o.transpose(1, 2).reshape(2, 24, 32).data_ptr() == o.data_ptr()
+    exact = reference_attention(*(t.double() for t in (q, k, v)), True)[0]
+    assert rel_err(o, exact) <= 1e-5
+    for op in (flash_attn_fwd, flash_attn_fwd_launch):
+        args = (q, k, v, True, 0.25)
+        assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
+
+
 def test_op_compiles_with_strided_inputs(pytorch_path):
     """torch.compile over a fused projection's strided q, k, v: Inductor (which checks the op's output strides
     against its fake kernel's) and aot_eager, forward and backward, equal to eager."""

@@ -325,9 +325,9 @@ class _SharedScratch:
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor of t's shape, dtype and device for O or a gradient: in t's layout where t is a
-    (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's projections give q, k and
-    v), so that the model's reshape back to (B, S, H·D) copies nothing; contiguous otherwise."""
+    """An uninitialized tensor of t's shape, dtype and device for O or a gradient: a (B, H, S, D) view of (B, S, H, D)
+    memory where t has its heads inside its rows (`gluon.heads_inside`: a model's projection output, or a fused QKV
+    projection's slice), so that the model's reshape back to (B, S, H·D) copies nothing; contiguous otherwise."""
     if gluon.heads_inside(t):
         return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(t, memory_format=torch.contiguous_format)

@@ -400,8 +400,9 @@ def flash_attention(
 
     Under `torch.autocast` it follows autocast as SDPA does: q, k, v (floating, not float64) are cast to the
     autocast dtype and the output is in that dtype. Outputs and gradients are contiguous, except that a q (k, v)
-    that is a (B, H, S, D) view of (B, S, H, D) memory, as a model's projections give it, gets O and dQ (dK, dV) in
-    that layout, so that reshaping O back to (B, S, H·D) copies nothing (SDPA's layout). A batch or head count of 0
+    that is a (B, H, S, D) view of (B, S, H, D) memory, as a model's projections give it, or a slice of a fused QKV
+    projection's (B, S, ·) output, gets O and dQ (dK, dV) as (B, H, S, D) views of (B, S, H, D) memory, so that
+    reshaping O back to (B, S, H·D) copies nothing (SDPA's layout). A batch or head count of 0
     gives empty outputs (and zero gradients); sequence lengths and the head dim must be at least 1 (ValueError).
     Meta tensors give outputs of the right shapes, nothing computed. torch.compile traces it (fullgraph too);
     torch.func transforms (vmap, grad, jvp, ...) raise a RuntimeError.

@@ -63,14 +63,14 @@ tiles read the same band).
 Launches after the first of a signature call the compiled kernel's C launch directly (`_launch`), their TMA
 descriptors from a cache by address (`_Compiled`); a caller that plans its calls (`flash_triton`) holds a `Launch`
 per signature (`forward_launch`, `kv_launch`), which builds the arguments from a template fixed at its first call.
-Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA
-sm_90, bf16/fp16, head dim 64 or 128, contiguous (B, H, S, D) tensors (the forward and the keys-on-rows single
-pass also (B, H, S, D) views of (B, S, H, D) memory, `heads_inside`, as a model's projections give them), sequence
-lengths that divide into the tiles; a sliding window (`band`) in the forward and the keys-on-rows single pass
-only, on self-attention. Packed sequences (varlen) in the forward and the keys-on-rows single pass (`packed_forward`,
-`packed_kv_pass`: any lengths, a window, grouped-query heads; a grid of (heads, slots) over a table of (sequence,
-tile) slots made on the device, longest first; every tile checks the sequence's end at run time). Gluon has no
-interpreter, so these kernels run only on the GPU (tests marked gpu).
+Scope (the caller checks `supported` / `fwd_supported` and otherwise runs the Triton kernel): CUDA sm_90, bf16/fp16,
+head dim 64 or 128, contiguous (B, H, S, D) tensors or (B, H, S, D) views whose rows hold the heads side by side
+(`heads_inside`: (B, S, H, D) memory as a model's projections give it, or slices of a fused QKV projection, read as
+(B·S, H·D) with their own row stride), sequence lengths that divide into the tiles; a sliding window (`band`) in the
+forward and the keys-on-rows single pass only, on self-attention. Packed sequences (varlen) in the forward and the
+keys-on-rows single pass (`packed_forward`, `packed_kv_pass`: any lengths, a window, grouped-query heads; a grid of
+(heads, slots) over a table of (sequence, tile) slots made on the device, longest first; every tile checks the
+sequence's end at run time). Gluon has no interpreter, so these kernels run only on the GPU (tests marked gpu).
 
 Variants measured slower and removed (docs/design.md, "Designs tried", has each with its commit): K and V as
 register operands of Sᵀ and dPᵀ; the next tile's Sᵀ issued before this tile's dSᵀ; a warp-specialized dK/dV pass,
@@ -105,7 +105,7 @@ re-exported here: a copy on the package would take a patch that the launches nev
 
 from cs336_systems.flash.gluon.configs import (
     CONFIGS, FWD_CONFIGS, GLUON_DTYPES, MAX_SLOTS, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS,
-    fwd_supported, heads_inside, packed_fwd_supported, packed_supported, supported,
+    fwd_supported, heads_inside, packed_fwd_supported, packed_supported, row_stride, supported,
 )
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
@@ -123,5 +123,5 @@ __all__ = [
     "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel", "flash_bwd_single_keys_gluon_kernel",
     "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_supported", "head_groups", "heads_inside", "kv_launch",
     "kv_pass", "launch_cache_size", "packed_forward", "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass",
-    "packed_query_tiles", "packed_rows", "packed_supported", "supported", "wave_groups",
+    "packed_query_tiles", "packed_rows", "packed_supported", "row_stride", "supported", "wave_groups",
 ]

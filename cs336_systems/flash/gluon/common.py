@@ -29,22 +29,53 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M: gl.constexpr):
-    """First row of query tile t (n_vis tiles per query head of the group) in the (B·H·Nq, D) views of
-    Q and dO, which is also its offset in the contiguous (B·H, Nq) L and delta."""
+    """First row of query tile t (n_vis tiles per query head of the group) in a dense (B·H·Nq, ·) view: its offset
+    in the contiguous (B·H, Nq) L and delta, its row in the (B·H·Nq, D) dQ accumulator."""
     return (first_head + t // n_vis) * N_QUERIES + q_first + (t % n_vis) * BLOCK_M
 
 
 @gluon.jit
+def head_tile(first, g, local, N_HEADS, N_ROWS, D: gl.constexpr, INSIDE: gl.constexpr):
+    """(row, column) of row `local` of head first + g (batch·H indices of one batch, H = N_HEADS, N_ROWS rows a
+    head) in a dense (B·H·N_ROWS, D) view, or with INSIDE in the (B·N_ROWS, H·D) view of (B, N_ROWS, H, D) memory.
+    The divisions are by `first` alone, which a program keeps: out of the loops. (Compile-time flags, not runtime
+    strides: runtime values passed to the single pass's loader warp cost its compute warps' loop spills.)"""
+    if INSIDE:
+        row = first // N_HEADS * N_ROWS + local
+        col = (first % N_HEADS + g) * D
+    else:
+        row = (first + g) * N_ROWS + local
+        col = local * 0
+    return row, col
+
+
+@gluon.jit
+def kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D: gl.constexpr, K_INSIDE: gl.constexpr,
+                V_INSIDE: gl.constexpr):
+    """(row, column) of a dK/dV program's key tile in K's view, then in V's (`head_tile`); dK and dV lie as K and
+    V do. A program's query heads are one kv head's group, so first_head // KV_GROUP is its batch·Hkv index."""
+    k_row, k_col = head_tile(first_head // KV_GROUP, 0, k_start, N_HEADS // KV_GROUP, N_KEYS, D, K_INSIDE)
+    v_row, v_col = head_tile(first_head // KV_GROUP, 0, k_start, N_HEADS // KV_GROUP, N_KEYS, D, V_INSIDE)
+    return k_row, k_col, v_row, v_col
+
+
+@gluon.jit
 def issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t, total, n_vis, first_head, q_first, N_QUERIES,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA of query tile t (of `total`) into stage t % STAGES; nothing past the last tile."""
+                      N_HEADS, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, Q_INSIDE: gl.constexpr,
+                      DO_INSIDE: gl.constexpr):
+    """TMA of query tile t (of `total`) into stage t % STAGES, Q and dO each where `head_tile` places it; nothing
+    past the last tile."""
     s = t % STAGES
-    row = tile_row(t, n_vis, first_head, q_first, N_QUERIES, BLOCK_M)
+    g = t // n_vis  # (the query head of the group)
+    local = q_first + (t % n_vis) * BLOCK_M
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    q_row, q_col = head_tile(first_head, g, local, N_HEADS, N_QUERIES, D, Q_INSIDE)
+    do_row, do_col = head_tile(first_head, g, local, N_HEADS, N_QUERIES, D, DO_INSIDE)
     pred = t < total
     bar = ready.index(s)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], bar, q_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_smem.index(s), pred=pred)
 
 
 @gluon.jit
@@ -104,10 +135,11 @@ def visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M: gl.constexpr, is_causal
 
 
 @gluon.jit
-def kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr):
-    """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V and the first
-    STAGES-1 query tiles on their way. Returns those and `visible_tiles`."""
+def kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_at, first_head, N_QUERIES, N_HEADS, KV_GROUP,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr, Q_INSIDE: gl.constexpr,
+                      DO_INSIDE: gl.constexpr):
+    """Shared memory for K, V and a ring of STAGES (Q, dO) tiles with its barriers; K, V (at kv_at,
+    `kv_tiles_at`) and the first STAGES-1 query tiles on their way. Returns those and `visible_tiles`."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -121,12 +153,13 @@ def kv_program_start(q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_hea
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
     q_first, n_vis, total = visible_tiles(k_start, N_QUERIES, KV_GROUP, BLOCK_M, is_causal)
+    k_row, k_col, v_row, v_col = kv_at
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
     for i in gl.static_range(STAGES - 1):
         issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, i, total, n_vis, first_head, q_first,
-                          N_QUERIES, BLOCK_M, STAGES)
+                          N_QUERIES, N_HEADS, BLOCK_M, STAGES, Q_INSIDE, DO_INSIDE)
     return k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total
 
 

@@ -34,19 +34,34 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def row_stride(t: torch.Tensor) -> int | None:
+    """Where t is a (B, H, S, D) view of (B, S, ·) memory whose rows hold its heads side by side (a model's
+    projection output, (B, S, H, D) transposed, or one slice of a fused QKV projection's (B, S, 3·H·D)): the stride
+    of its rows in the (B·S, H·D) matrix it is read as; else None (contiguous tensors included)."""
+    if t.ndim != 4 or t.is_contiguous():
+        return None
+    batch, heads, seq, d = t.shape
+    s_b, s_h, s_s, s_d = t.stride()
+    rows = s_s if seq > 1 else s_b if batch > 1 else heads * d  # (a size-1 dim's stride says nothing)
+    if (s_d != 1 and d > 1) or (s_h != d and heads > 1) or rows < heads * d or (batch > 1 and seq > 1
+                                                                                and s_b != seq * s_s):
+        return None
+    return rows
+
+
 def heads_inside(t: torch.Tensor) -> bool:
-    """Whether t is a (B, H, S, D) view of (B, S, H, D) memory (heads and sequence transposed, as a model's
-    projections give q, k and v)."""
-    return t.ndim == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+    """Whether t is a (B, H, S, D) view of (B, S, ·) memory with its heads side by side in each row (`row_stride`):
+    the layout the Gluon kernels read where it lies."""
+    return row_stride(t) is not None
 
 
-def _takes(tensors, d: int, configs: dict, heads_inside_ok: bool = False) -> bool:
-    """sm_90, 16-bit, a head dim with a config, contiguous (or, heads_inside_ok, `heads_inside`), one dtype,
+def _takes(tensors, d: int, configs: dict) -> bool:
+    """sm_90, 16-bit, a head dim with a config, contiguous or `heads_inside` (its rows 16-byte aligned), one dtype,
     16-byte aligned."""
     q4 = tensors[0]
     if d not in configs or q4.dtype not in GL_DTYPES or not q4.is_cuda:
         return False
-    if not all((t.is_contiguous() or heads_inside_ok and heads_inside(t)) and t.dtype == q4.dtype
+    if not all((t.is_contiguous() or (row_stride(t) or 1) * t.element_size() % 16 == 0) and t.dtype == q4.dtype
                and t.data_ptr() % 16 == 0 for t in tensors):
         return False
     return _is_sm90(q4.device.index)
@@ -62,15 +77,15 @@ def supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.T
               qrows: bool = False, single_pass: bool = False) -> bool:
     """Whether `kv_pass` (with `qrows`; with a dQ accumulator if `single_pass`) takes these (B, H, S, D)
     tensors: sm_90, 16-bit, a head dim with a config (d 64/128; the queries-on-rows single pass d 64),
-    contiguous (the keys-on-rows single pass: or `heads_inside`, read where they lie), whole tiles (for the
-    keys-on-rows single pass, queries in whole BLOCK_N as well: a causal key tile then sees an even number of
-    BLOCK_M query tiles, as its loop takes them)."""
+    contiguous or `heads_inside` (read where they lie), whole tiles (for the keys-on-rows single pass, queries in
+    whole BLOCK_N as well: a causal key tile then sees an even number of BLOCK_M query tiles, as its loop takes
+    them)."""
     d = q4.shape[-1]
     configs = kv_configs(qrows, single_pass)
     block_m, block_n, _, _ = config or configs.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n or (single_pass and not qrows and q4.shape[2] % block_n):
         return False
-    return _takes((q4, k4, v4, do4), d, configs, heads_inside_ok=single_pass and not qrows)
+    return _takes((q4, k4, v4, do4), d, configs)
 
 
 def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=None) -> bool:
@@ -81,7 +96,7 @@ def fwd_supported(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, config=N
     block_m, block_n, _, _ = config or FWD_CONFIGS.get(d, (1, 1, 0, 0))
     if q4.shape[2] % block_m or k4.shape[2] % block_n:
         return False
-    return _takes((q4, k4, v4), d, FWD_CONFIGS, heads_inside_ok=True)
+    return _takes((q4, k4, v4), d, FWD_CONFIGS)
 
 
 # a packed grid's slots run along grid axis 1 (at most 65535 programs)

@@ -9,7 +9,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
     warpgroup_mma_wait
 
 from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, issue_tile_loads, kv_program, kv_program_end, \
-    kv_program_start, tile_rows
+    kv_program_start, kv_tiles_at, tile_rows
 
 
 @gluon.jit(do_not_specialize=BY_LENGTH)
@@ -17,13 +17,16 @@ def flash_bwd_kv_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr,
+    DO_INSIDE: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D); L
+    """Grid (batch·kv_heads, key tiles). Q, dO: (B·H·Nq, D) views; K, V, dK, dV: (B·Hkv·Nk, D) (each, with its
+    *_INSIDE flag, the (B·S, H·D) view of (B, S, H, D) memory instead, `head_tile`; dK, dV as K, V); L
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    kv_at = kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -35,7 +38,8 @@ def flash_bwd_kv_gluon_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
 
     k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = kv_program_start(
-        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
+        q_desc, k_desc, v_desc, do_desc, k_start, kv_at, first_head, N_QUERIES, N_HEADS, KV_GROUP, BLOCK_M, STAGES,
+        is_causal, Q_INSIDE, DO_INSIDE)
 
     qk_scale = scale * LOG2E
     offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -65,7 +69,7 @@ def flash_bwd_kv_gluon_kernel(
         sT, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(sT, dk, dv, p_op, ds_op))
         # tile t-1's matmuls are done: its stage takes the tile STAGES-1 ahead
         issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head,
-                          q_first, N_QUERIES, BLOCK_M, STAGES)
+                          q_first, N_QUERIES, N_HEADS, BLOCK_M, STAGES, Q_INSIDE, DO_INSIDE)
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
         if is_causal:
             if q_start - q_first < BLOCK_N:  # a tile on the diagonal: query i sees key j iff i >= j
@@ -78,4 +82,5 @@ def flash_bwd_kv_gluon_kernel(
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, 0, kv_row, 0, ready, kv_bar, STAGES)
+    k_row, k_col, v_row, v_col = kv_at
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, k_row, k_col, v_row, v_col, ready, kv_bar, STAGES)

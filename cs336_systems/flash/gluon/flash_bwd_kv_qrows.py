@@ -10,14 +10,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, issue_tile_loads, kv_program, kv_program_end, \
-    kv_program_start, tile_row, tile_rows, tma_reduce_add
+    kv_program_start, kv_tiles_at, tile_row, tile_rows, tma_reduce_add
 
 
 @gluon.jit
 def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                   L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                   dq_desc, dq_smem, zero_dq,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+                   L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, N_HEADS,
+                   qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr, DQ_ATOMIC: gl.constexpr, Q_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr):
     """Query tile t of `flash_bwd_kv_qrows_gluon_kernel` (its L and delta given; the next tile's returned);
     MASKED: the tile on the diagonal; DQ_ATOMIC: also dQ = dS·K, reduced into the accumulator behind dq_desc
     through buffer t % 2 of dq_smem. Every wgmma is retired before it returns: one in flight across the
@@ -34,7 +34,7 @@ def _kv_qrows_tile(t, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_sm
     sc = warpgroup_mma_wait(1, deps=(sc, ))
     gl.thread_barrier()  # every warpgroup is past tile t-1: P, dS and its stage are free
     issue_tile_loads(q_desc, do_desc, q_smem, do_smem, ready, t + STAGES - 1, total, n_vis, first_head, q_first,
-                      N_QUERIES, BLOCK_M, STAGES)
+                      N_QUERIES, N_HEADS, BLOCK_M, STAGES, Q_INSIDE, DO_INSIDE)
     p = gl.exp2(sc * qk_scale - gl.expand_dims(lse, 1))
     if MASKED:  # query i sees key j iff i >= j
         q_start = q_first + (t % n_vis) * BLOCK_M
@@ -71,7 +71,8 @@ def flash_bwd_kv_qrows_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L_ptr, Delta_ptr, dq_desc,
     N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr,
+    is_causal: gl.constexpr, DQ_ATOMIC: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr,
+    V_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """`flash_bwd_kv_gluon_kernel` with the queries on rows (FlashAttention-3's backward layout).
 
@@ -91,7 +92,8 @@ def flash_bwd_kv_qrows_gluon_kernel(
     once the reduction two tiles back has read it) and adds it to the (B·H·Nq, D) accumulator behind dq_desc
     with one TMA bulk reduction, while dK's matmul runs."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, kv_row, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    kv_at = kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -102,7 +104,8 @@ def flash_bwd_kv_qrows_gluon_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth)
 
     k_smem, v_smem, q_smem, do_smem, ready, kv_bar, q_first, n_vis, total = kv_program_start(
-        q_desc, k_desc, v_desc, do_desc, k_start, kv_row, first_head, N_QUERIES, KV_GROUP, BLOCK_M, STAGES, is_causal)
+        q_desc, k_desc, v_desc, do_desc, k_start, kv_at, first_head, N_QUERIES, N_HEADS, KV_GROUP, BLOCK_M, STAGES,
+        is_causal, Q_INSIDE, DO_INSIDE)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
 
@@ -129,18 +132,19 @@ def flash_bwd_kv_qrows_gluon_kernel(
             if n_vis > 0:
                 dk, dv, lse, delta = _kv_qrows_tile(
                     t0, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                    dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC)
+                    L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, N_HEADS,
+                    qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, True, DQ_ATOMIC, Q_INSIDE, DO_INSIDE)
             first = 1
         else:
             first = 0
         for j in range(first, n_vis):
             dk, dv, lse, delta = _kv_qrows_tile(
                 t0 + j, dk, dv, lse, delta, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, ready,
-                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, qk_scale,
-                dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC)
+                L_ptr, Delta_ptr, offs_m, offs_k, zero_s, total, n_vis, first_head, q_first, N_QUERIES, N_HEADS,
+                qk_scale, dq_desc, dq_smem, zero_dq, BLOCK_M, STAGES, False, DQ_ATOMIC, Q_INSIDE, DO_INSIDE)
     if DQ_ATOMIC:  # the last reductions read dq_smem, whose space the epilogue may reuse
         tma.store_wait(pendings=0)
         gl.thread_barrier()
 
-    kv_program_end(dk, dv, scale, dk_desc, dv_desc, kv_row, 0, kv_row, 0, ready, kv_bar, STAGES)
+    k_row, k_col, v_row, v_col = kv_at
+    kv_program_end(dk, dv, scale, dk_desc, dv_desc, k_row, k_col, v_row, v_col, ready, kv_bar, STAGES)

@@ -10,8 +10,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_program, kv_barriers_invalidated, kv_program, \
-    kv_program_end, packed_sequence, store_rows, tma_reduce_add, visible_tiles
+from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_program, head_tile, kv_barriers_invalidated, \
+    kv_program, kv_program_end, kv_tiles_at, packed_sequence, store_rows, tma_reduce_add, visible_tiles
 
 # registers per thread of the single pass's loader and dQ warps (`_single_keys_loader`, `_single_keys_dq_writer`)
 WORKER_REGS = gl.constexpr(24)
@@ -55,25 +55,11 @@ def _packed_kv_program_end(dk, dv, scale, dk_ptr, dv_ptr, kv_row, kv_col, n_rows
 
 
 @gluon.jit
-def _head_tile(head, local, N_HEADS, N_ROWS, D: gl.constexpr, INSIDE: gl.constexpr):
-    """(row, column) of row `local` of head `head` (a batch·H index, H = N_HEADS, N_ROWS rows a head) in a dense
-    (B·H·N_ROWS, D) view, or with INSIDE in the (B·N_ROWS, H·D) view of (B, N_ROWS, H, D) memory (compile-time
-    flags, not runtime strides: runtime values passed to the loader warp cost the compute warps' loop spills)."""
-    if INSIDE:
-        row = head // N_HEADS * N_ROWS + local
-        col = head % N_HEADS * D
-    else:
-        row = head * N_ROWS + local
-        col = local * 0
-    return row, col
-
-
-@gluon.jit
 def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK_M: gl.constexpr, D: gl.constexpr,
                 IS_VARLEN: gl.constexpr, Q_INSIDE: gl.constexpr, DO_INSIDE: gl.constexpr):
     """Where query tile t of a single-pass program (n_vis tiles per query head of the group) lies: (row, column) in
     the views of Q and of dO, row in the dQ accumulator's (·, D) view, (row, column) in the views of L and delta.
-    Dense: Q and dO as `_head_tile` places them (Q_INSIDE, DO_INSIDE), the accumulator (B·H·Nq, D), L and delta a
+    Dense: Q and dO as `head_tile` places them (Q_INSIDE, DO_INSIDE), the accumulator (B·H·Nq, D), L and delta a
     row per query tile. Packed (IS_VARLEN, the sequence's first query at row q0): rows of the (total_q, H·D) views, a
     head's D columns; the accumulator (H, total_q, D); L and delta (H, ·) with the sequence from column l0 (a TMA box
     starts at a 16-byte-aligned address: `packed_rows`)."""
@@ -88,8 +74,8 @@ def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK
         l_row = head
         l_col = l0 + local
     else:
-        row, col = _head_tile(head, local, N_HEADS, N_QUERIES, D, Q_INSIDE)
-        do_row, do_col = _head_tile(head, local, N_HEADS, N_QUERIES, D, DO_INSIDE)
+        row, col = head_tile(first_head, t // n_vis, local, N_HEADS, N_QUERIES, D, Q_INSIDE)
+        do_row, do_col = head_tile(first_head, t // n_vis, local, N_HEADS, N_QUERIES, D, DO_INSIDE)
         acc_row = head * N_QUERIES + local
         l_row = acc_row // BLOCK_M
         l_col = col * 0
@@ -412,7 +398,7 @@ def flash_bwd_single_keys_gluon_kernel(
     key tiles) as `flash_bwd_kv_gluon_kernel`; L (natural log) and delta come as (B·H·Nq / BLOCK_M, BLOCK_M)
     fp32 descriptors, a row per query tile. Each of Q, K (and dK, in K's layout), V (and dV) and dO is a
     (B·H·S, D) view or, with its *_INSIDE flag, the (B·S, H·D) view of (B, S, H, D) memory, a head's D columns per
-    box (`_head_tile`). With IS_VARLEN, packed sequences
+    box (`head_tile`). With IS_VARLEN, packed sequences
     (`_packed_kv_program`): grid (kv_heads, slots), a slot per key tile of a sequence (TILES), descriptors over
     the (total, heads·D) views of the packed Q, K, V, dO and over L and delta as (H, ·) rows (`packed_rows`);
     N_QUERIES, N_KEYS the totals;
@@ -457,10 +443,7 @@ def flash_bwd_single_keys_gluon_kernel(
         q_first, n_vis, total = _band_tiles(k_start, n_q, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     else:
         k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
-        kv_head = first_head // KV_GROUP  # (batch·Hkv index: a program's query heads are one kv head's group)
-        k_row, k_col = _head_tile(kv_head, k_start, N_HEADS // KV_GROUP, N_KEYS, D, K_INSIDE)
-        v_row, v_col = _head_tile(kv_head, k_start, N_HEADS // KV_GROUP, N_KEYS, D, V_INSIDE)
-        kv_at = (k_row, k_col, v_row, v_col)
+        kv_at = kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
         q0 = k_start * 0
         l0 = q0
         n_q = N_QUERIES

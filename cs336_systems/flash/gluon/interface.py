@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
 from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, \
-    SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs
+    SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs, row_stride
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
@@ -37,20 +37,23 @@ def _row_layout() -> gl.NVMMASharedLayout:
 class _Tma:
     """An argument template's TMA descriptor: call tensor `index` as the 2-D view `shape` (rows of contiguous values)
     in boxes of `block`, laid out in shared memory as `layout`. `rows`: an fp32 L or delta, copied where its base is
-    not 16-byte aligned (TMA's condition): that copy's descriptor serves one launch only. `heads_inside`: a
-    (B, H, S, D) view of (B, S, H, D) memory, viewed as (B·S, H·D)."""
+    not 16-byte aligned (TMA's condition): that copy's descriptor serves one launch only. `row_stride`: a
+    `heads_inside` (B, H, S, D) tensor, read where it lies as (B·S, H·D) with rows this far apart (the plan's key
+    holds it: a cached descriptor encodes it)."""
 
-    __slots__ = ("index", "shape", "block", "layout", "rows", "heads_inside")
+    __slots__ = ("index", "shape", "block", "layout", "rows", "row_stride")
 
     def __init__(self, index: int, shape: tuple[int, int], block: tuple[int, int], layout, rows: bool = False,
-                 heads_inside: bool = False):
+                 row_stride: int | None = None):
         self.index, self.shape, self.block, self.layout, self.rows = index, shape, block, layout, rows
-        self.heads_inside = heads_inside
+        self.row_stride = row_stride
 
     def descriptor(self, t: torch.Tensor) -> TensorDescriptor:
+        if self.row_stride is not None:
+            return TensorDescriptor(t, list(self.shape), [self.row_stride, 1], list(self.block), self.layout)
         if self.rows and t.data_ptr() % 16:
             t = t.clone()
-        flat = (t.transpose(1, 2) if self.heads_inside else t).view(self.shape)
+        flat = t.view(self.shape)
         return TensorDescriptor(flat, list(self.shape), list(flat.stride()), list(self.block), self.layout)
 
 
@@ -66,14 +69,15 @@ class _Arg:
 _SCALE = object()  # the argument template's place for the call's softmax scale (a float no plan fixes)
 
 
-def _tiles(tensors: tuple, index: int, rows: int, heads_inside_ok: bool = False) -> _Tma:
-    """Call tensor `index` (·, D) as its (rows, D) view, tiles of `rows` rows; with heads_inside_ok (a kernel that
-    takes `_head_rows`), a `heads_inside` (B, H, S, D) tensor as its (B·S, H·D) view, a head's D columns per box."""
+def _tiles(tensors: tuple, index: int, rows: int) -> _Tma:
+    """Call tensor `index` (·, D) as its (rows, D) view, tiles of `rows` rows; a `heads_inside` (B, H, S, D) tensor
+    as its (B·S, H·D) view, a head's D columns per box."""
     t = tensors[index]
     d = t.shape[-1]
-    if heads_inside_ok and heads_inside(t):
+    stride = row_stride(t)
+    if stride is not None:
         batch, heads, seq, _ = t.shape
-        return _Tma(index, (batch * seq, heads * d), (rows, d), _smem_layout(rows, d, t.dtype), heads_inside=True)
+        return _Tma(index, (batch * seq, heads * d), (rows, d), _smem_layout(rows, d, t.dtype), row_stride=stride)
     return _Tma(index, (t.numel() // d, d), (rows, d), _smem_layout(rows, d, t.dtype))
 
 
@@ -315,10 +319,9 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     single = dq_acc is not None
-    # (the keys-on-rows single pass reads each of Q, K, V and dO where it lies, and stores dK, dV as K, V lie)
-    inside_ok = single and not qrows
-    if inside_ok and (heads_inside(dk4) != heads_inside(k4) or heads_inside(dv4) != heads_inside(v4)):
-        raise ValueError("the Gluon single pass stores dK and dV where K and V lie: dk4, dv4 must have their layouts")
+    # (each reads Q, K, V and dO where they lie, and stores dK, dV as K, V lie)
+    if heads_inside(dk4) != heads_inside(k4) or heads_inside(dv4) != heads_inside(v4):
+        raise ValueError("the Gluon dK/dV passes store dK and dV where K and V lie: dk4, dv4 must have their layouts")
     if band is not None and (qrows or not single or n_q != n_k):
         raise ValueError(f"a window runs only in the keys-on-rows single pass, on self-attention (Nq = Nk), got "
                          f"qrows={qrows}, single pass {single}, Nq {n_q}, Nk {n_k}")
@@ -334,10 +337,9 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     # (in the kernels' order: the cached launch passes the values positionally)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal)
     if single and not qrows:
-        constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False,
-                          **{f"{n}_INSIDE": heads_inside(t) for n, t in zip(("Q", "K", "V", "DO"), (q4, k4, v4, do4))})
+        constexprs.update(HAS_WINDOW=band is not None, IS_VARLEN=False)
     grid = (batch * kv_heads, n_k // block_n, 1)
-    template = tuple(_tiles(tensors, i, rows, inside_ok)  # Q, K, V, dO, dK, dV
+    template = tuple(_tiles(tensors, i, rows)  # Q, K, V, dO, dK, dV
                      for i, rows in zip((0, 1, 2, 3, 6, 7), (block_m, block_n, block_n, block_m, block_n, block_n)))
     if single and not qrows:  # L and delta through the loader warp's TMA, a row per query tile
         template += (_row_tiles(tensors, 4, block_m), _row_tiles(tensors, 5, block_m))
@@ -349,6 +351,7 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
         template += (template[4] if dq_acc is None else _tiles(tensors, 8, block_m), )
     if qrows:
         constexprs["DQ_ATOMIC"] = single
+    constexprs.update({f"{n}_INSIDE": heads_inside(t) for n, t in zip(("Q", "K", "V", "DO"), (q4, k4, v4, do4))})
     constexprs["num_warps"] = warps
     group, tail = kv_head_groups(q4, k4, is_causal, block_m, block_n, single) if groups is None else groups
     template += (heads, heads // kv_heads, n_q, n_k, _SCALE, group, tail)
@@ -357,7 +360,7 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
     # (the grid: the cached C launch is fixed to it, and no argument above carries the batch)
     key = ("kv_qrows" if qrows else "kv", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages,
            is_causal, heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, delta.data_ptr() % 16 == 0,
-           dq_acc is not None, group, tail, band, *(heads_inside(t) for t in (q4, k4, v4, do4)))
+           dq_acc is not None, group, tail, band, *(row_stride(t) for t in (q4, k4, v4, do4, dk4, dv4)))
     kernel = (flash_bwd_kv_qrows_gluon_kernel if qrows else
               flash_bwd_single_keys_gluon_kernel if single else flash_bwd_kv_gluon_kernel)
     return kernel, grid, template, constexprs, key
@@ -550,13 +553,13 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     if heads_inside(o4) != heads_inside(q4):
         raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
     rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
-    tiles = (_tiles(tensors, i, r, heads_inside_ok=True) for i, r in enumerate(rows))
+    tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
     template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
                 _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail,  # (_Arg(3) .. 0: a packed call's five)
                 *_head_rows(q4), *_head_rows(k4), *_head_rows(v4))
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail,
-           heads_inside(q4), heads_inside(k4), heads_inside(v4))  # (the grid: `_kv_launch_plan`)
+           *(row_stride(t) for t in (q4, k4, v4, o4)))  # (the grid: `_kv_launch_plan`)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key
 
 
