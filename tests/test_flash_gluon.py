@@ -210,9 +210,10 @@ def test_gluon_packed_forward_launch_plan():
     assert list(k_desc.block_shape) == [block_n, 128] and list(o_desc.block_shape) == [block_m, 128]
     assert args[10:12] == (flash_gluon.UNBOUNDED, 0)
     assert isinstance(args[12], torch.Tensor) and args[12].shape == (1024, 8, 128)
-    tiles, batch = args[15], args[16]  # (then the dense forward's head groups and layouts, unread)
+    tiles, batch = args[15], args[16]  # (then the dense forward's head groups, unread)
     rows = block_m * num_warps // 4
-    assert batch == 2 and tiles.shape == (1024 // rows + 2, 2) and args[19:] == (0,) * 9
+    assert batch == 2 and tiles.shape == (1024 // rows + 2, 2) and len(args) == 19
+    assert not any(constexprs[f"{n}_INSIDE"] for n in "QKV")
     cpu = torch.empty(16, 2, 128, dtype=torch.bfloat16)
     assert flash_gluon.packed_fwd_supported(cpu, cpu, cpu, cpu, 2) is False
 
@@ -589,8 +590,9 @@ def test_gluon_launch_keys_hold_the_grid():
 
 def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     """A (B, H, S, D) view of (B, S, H, D) memory reaches the forward as a descriptor over its (B·S, H·D) view, a
-    head's D columns per box, and the rows and columns where each head starts (`_head_rows`); contiguous tensors
-    as before; the key tells the layouts apart; O must lie as Q does. CPU placeholders: nothing is launched."""
+    head's D columns per box, with a compile-time flag a tensor (the constexprs in the kernel's order: the cached
+    launch passes them positionally); contiguous tensors as before; the key tells the layouts apart; O must lie as
+    Q does. CPU placeholders: nothing is launched."""
     from cs336_systems.flash.gluon import interface
 
     b, h, h_kv, s, d = 2, 8, 2, 512, 64
@@ -598,8 +600,9 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     k = torch.empty(b, h_kv, s, d, dtype=torch.bfloat16)
     v = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16).transpose(1, 2)
     lse = torch.empty(b * h, s)
-    _, _, template, _, key = interface._fwd_launch_plan((q, k, v, o, lse), True, None)
-    assert template[-9:] == (h * s, s, 0, h_kv * s, s, 0, s, 0, d)
+    kernel, _, template, constexprs, key = interface._fwd_launch_plan((q, k, v, o, lse), True, None)
+    assert list(constexprs) == [p.name for p in kernel.params if p.is_constexpr]
+    assert {n: constexprs[f"{n}_INSIDE"] for n in "QKV"} == dict(Q=False, K=False, V=True)
     args = interface._arguments(template, (q, k, v, o, lse), d ** -0.5)
     assert list(args[2].shape) == [b * s, h_kv * d] and list(args[2].strides) == [h_kv * d, 1]
     assert list(args[1].shape) == [b * h_kv * s, d] and args[2].block_shape == args[1].block_shape
@@ -608,8 +611,8 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     q_inside = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(ValueError, match="o4 must have q4's layout"):
         interface._fwd_launch_plan((q_inside, k, v, o, lse), True, None)
-    _, _, template, _, _ = interface._fwd_launch_plan((q_inside, k, v, torch.empty_like(q_inside), lse), True, None)
-    assert template[-9:-6] == (s, 0, d)
+    _, _, _, constexprs, _ = interface._fwd_launch_plan((q_inside, k, v, torch.empty_like(q_inside), lse), True, None)
+    assert {n: constexprs[f"{n}_INSIDE"] for n in "QKV"} == dict(Q=True, K=False, V=True)
 
 
 @pytest.mark.parametrize("qrows, single", [(False, True), (False, False), (True, False), (True, True)],
@@ -677,12 +680,15 @@ def test_gluon_band_split_leaves_the_unmasked_loop_only_uncut_tiles():
 def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
     """A launch's cached `_Compiled` keeps the argument template of the first call at its key: every value the
     template fixes (integers, the window's edges), the grid and the constexprs must then be the same for every call
-    with that key (keys that held only whether a packed call has a window reused the first window's edges). Plans of
-    the dense and packed forward and dK/dV passes over calls that differ in one thing each; CPU placeholders."""
+    with that key (keys that held only whether a packed call has a window reused the first window's edges), and the
+    constexprs come in the kernel's order (the cached launch passes them positionally). Plans of the dense and packed
+    forward and dK/dV passes over calls that differ in one thing each; CPU placeholders."""
     from cs336_systems.flash.gluon import interface
 
     def fixed(plan):
-        _, grid, template, constexprs, key = plan[:5]
+        kernel, grid, template, constexprs, key = plan[:5]
+        assert list(constexprs) == [p.name for p in kernel.params if p.is_constexpr]
+        assert len(template) == len(kernel.params) - len(constexprs)
         values = tuple(a for a in template if a.__class__ not in (interface._Tma, interface._Arg)
                        and a is not interface._SCALE)
         return key, (grid, values, tuple(constexprs.items()))
@@ -884,7 +890,7 @@ def test_gluon_forward_groups_a_wave_of_lines_with_the_tail_rule(monkeypatch):
     q = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16)
     lse = torch.empty(8 * 16, 2048)
     *_, template, _, key = interface._fwd_launch_plan((q, q, q, q, lse), True, None, (4096, 0))
-    assert template[17:19] == (128, 128)  # (HEAD_GROUP, TAIL; then the layouts' rows)
+    assert template[17:] == (128, 128)  # (HEAD_GROUP, TAIL)
 
 
 @pytest.mark.gpu

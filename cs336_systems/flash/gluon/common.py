@@ -52,8 +52,9 @@ def head_tile(first, g, local, N_HEADS, N_ROWS, D: gl.constexpr, INSIDE: gl.cons
 @gluon.jit
 def kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D: gl.constexpr, K_INSIDE: gl.constexpr,
                 V_INSIDE: gl.constexpr):
-    """(row, column) of a dK/dV program's key tile in K's view, then in V's (`head_tile`); dK and dV lie as K and
-    V do. A program's query heads are one kv head's group, so first_head // KV_GROUP is its batch·Hkv index."""
+    """(row, column) of key tile k_start of query head first_head's kv head in K's view, then in V's (`head_tile`);
+    a dK/dV program's dK and dV lie as K and V do. Query heads of one kv head's group are adjacent, so
+    first_head // KV_GROUP is its batch·Hkv index."""
     k_row, k_col = head_tile(first_head // KV_GROUP, 0, k_start, N_HEADS // KV_GROUP, N_KEYS, D, K_INSIDE)
     v_row, v_col = head_tile(first_head // KV_GROUP, 0, k_start, N_HEADS // KV_GROUP, N_KEYS, D, V_INSIDE)
     return k_row, k_col, v_row, v_col

@@ -9,12 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_program, packed_sequence, store_rows
-
-# the rows and columns where a head's tiles start in each of Q's, K's and V's views (`interface._head_rows`); runtime
-# integers, so that one compiled forward serves either layout
-HEAD_ROWS = ("Q_BATCH_ROWS", "Q_HEAD_ROWS", "Q_HEAD_COLS", "K_BATCH_ROWS", "K_HEAD_ROWS", "K_HEAD_COLS", "V_BATCH_ROWS",
-             "V_HEAD_ROWS", "V_HEAD_COLS")
+from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_program, head_tile, kv_tiles_at, \
+    packed_sequence, store_rows
 
 LN2 = gl.constexpr(0.6931471805599453)
 # registers per thread of the forward's second and third consumer warpgroups (when it runs three)
@@ -253,24 +249,21 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         _fwd_store_o(o, q_tile, o_desc, row, q_col)
 
 
-@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS") + HEAD_ROWS)
+@gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))
 def flash_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, WINDOW_LEFT, WINDOW_RIGHT,
     O_ptr, CU_SEQLENS_Q, CU_SEQLENS_K, TILES, N_SEQS, HEAD_GROUP, TAIL,
-    Q_BATCH_ROWS, Q_HEAD_ROWS, Q_HEAD_COLS, K_BATCH_ROWS, K_HEAD_ROWS, K_HEAD_COLS, V_BATCH_ROWS, V_HEAD_ROWS,
-    V_HEAD_COLS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
-    num_warps: gl.constexpr,
+    Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `grouped_program`'s
     order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
-    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; each of Q
-    (and O, in Q's layout), K and V may instead be a (B·S, H·D) view of (B, S, H, D) memory, a head's D columns per
-    box: head h of batch b starts at row b·*_BATCH_ROWS + h·*_HEAD_ROWS, column h·*_HEAD_COLS; L: contiguous
-    (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window as `chooser.band` gives it, causal folded in;
-    self-attention, so that every query sees its own key) a program streams only the key tiles its rows' bands
-    meet.
+    D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; with
+    Q_INSIDE (O then lies as Q), K_INSIDE, V_INSIDE that tensor is instead a (B·S, H·D) view of (B, S, H, D) memory,
+    a head's D columns per box (`head_tile`); L: contiguous (B·H, Nq) fp32, natural log. With HAS_WINDOW (the window
+    as `chooser.band` gives it, causal folded in; self-attention, so that every query sees its own key) a program
+    streams only the key tiles its rows' bands meet.
 
     With IS_VARLEN (packed sequences): grid (heads, slots); slot i runs query tile TILES[i, 1] of sequence TILES[i, 0]
     (N_SEQS: a spare slot, which stores nothing); Q, O: (total_q, H·D) views, K, V: (total_k, Hkv·D), a head's D
@@ -303,16 +296,9 @@ def flash_fwd_gluon_kernel(
         else:
             tile = step
         q_start = tile * ROWS
-        batch = batch_head // N_HEADS
-        head = batch_head % N_HEADS
-        kv_head = head // KV_GROUP
-        kv_row = batch * K_BATCH_ROWS + kv_head * K_HEAD_ROWS
-        kv_col = kv_head * K_HEAD_COLS
-        v_row = batch * V_BATCH_ROWS + kv_head * V_HEAD_ROWS
-        v_col = kv_head * V_HEAD_COLS
         l_row = batch_head * N_QUERIES
-        q_row = batch * Q_BATCH_ROWS + head * Q_HEAD_ROWS + q_start
-        q_col = head * Q_HEAD_COLS
+        q_row, q_col = head_tile(batch_head, 0, q_start, N_HEADS, N_QUERIES, D, Q_INSIDE)
+        kv_row, kv_col, v_row, v_col = kv_tiles_at(batch_head, 0, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
         n_q = N_QUERIES
         n_k = N_KEYS
         if HAS_WINDOW:  # the keys from the first row's left edge to the last row's right edge

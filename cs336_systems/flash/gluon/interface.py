@@ -81,13 +81,6 @@ def _tiles(tensors: tuple, index: int, rows: int) -> _Tma:
     return _Tma(index, (t.numel() // d, d), (rows, d), _smem_layout(rows, d, t.dtype))
 
 
-def _head_rows(t: torch.Tensor) -> tuple[int, int, int]:
-    """Where head h of batch b of a (B, H, S, D) call tensor starts in its `_tiles` view: row b·first + h·second,
-    column h·third."""
-    _, heads, seq, d = t.shape
-    return (seq, 0, d) if heads_inside(t) else (heads * seq, seq, 0)
-
-
 def _row_tiles(tensors: tuple, index: int, cols: int) -> _Tma:
     """A contiguous fp32 (B·H, Nq) call tensor (L, delta) as rows of `cols` values, one row per query tile."""
     t = tensors[index]
@@ -512,9 +505,10 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     template = (_packed_tiles(tensors, 0, block_m), _packed_tiles(tensors, 1, block_n),
                 _packed_tiles(tensors, 2, block_n), _packed_tiles(tensors, 3, block_m), _Arg(4), heads,
                 heads // kv_heads, total_q, total_k, _SCALE, left, right, _Arg(3), _Arg(5), _Arg(6), _Arg(7), batch,
-                heads, heads, *(0,) * 9)  # (head groups and the dense layouts' rows: unread)
+                heads, heads)  # (head groups: unread)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
-                      HAS_WINDOW=band is not None, IS_VARLEN=True, num_warps=4)
+                      HAS_WINDOW=band is not None, IS_VARLEN=True, Q_INSIDE=False, K_INSIDE=False, V_INSIDE=False,
+                      num_warps=4)
     key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
            band, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
            cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
@@ -544,7 +538,8 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
         raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
                          f"Nk {n_k}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
-                      HAS_WINDOW=band is not None, IS_VARLEN=False, num_warps=4)
+                      HAS_WINDOW=band is not None, IS_VARLEN=False, Q_INSIDE=heads_inside(q4),
+                      K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4)
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     if band is None:
         group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
@@ -555,8 +550,7 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
     tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
     template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
-                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail,  # (_Arg(3) .. 0: a packed call's five)
-                *_head_rows(q4), *_head_rows(k4), *_head_rows(v4))
+                _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail)  # (_Arg(3) .. 0: a packed call's five)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail,
            *(row_stride(t) for t in (q4, k4, v4, o4)))  # (the grid: `_kv_launch_plan`)
