@@ -11,14 +11,14 @@ backward (`deterministic=True`) with its dK/dV pass in Gluon, "gluon_fwd" the sa
 pass everywhere (`gluon_kv=False`), "fused_prep" also with the Triton forward (`gluon_fwd=False`).
 "tma" issues dP's matmul after the exponentials (`dp_first=False`); "dp_first" keeps the delta
 pre-pass kernel and PyTorch's dO copy (`fused_prep=False`), as every step before it does.
-"gluon_everywhere" is the shipped kernel with the Gluon kernels at every size they take, short calls too
-(the measurement behind `chooser.GLUON_FWD_MIN_WORK` and `GLUON_BWD_MIN_WORK`); "gluon_fwd_everywhere"
-only its forward, "gluon_two_pass_everywhere" the deterministic two-pass backward with its dK/dV pass in Gluon at
-every size (at d 64 the single pass is what "gluon_everywhere" runs). "atomic_dq" is the single-pass backward in
-Triton (fp32 atomic dQ, `deterministic=False`), measured slower than the two-pass design on the H200. The steps before "tma" load tiles through
-block pointers. `cs336-bench leaderboard --variant all` times them with the course's harness;
-`runs/README.md` has the table. Non-shipped variants launch eagerly (a graph break under
-torch.compile).
+"gluon_everywhere" is the shipped kernel with the Gluon kernels at every size they take, short calls too (the
+measurement behind `chooser.GLUON_FWD_MIN_WORK` and `GLUON_BWD_MIN_WORK`); "gluon_fwd_everywhere" only its forward,
+"gluon_bwd_everywhere" only its backward (the forward by its threshold), "gluon_two_pass_everywhere" the
+deterministic two-pass backward with its dK/dV pass in Gluon at every size (at d 64 the single pass is what
+"gluon_everywhere" runs). "atomic_dq" is the single-pass backward in Triton (fp32 atomic dQ, `deterministic=False`),
+measured slower than the two-pass design on the H200. The steps before "tma" load tiles through block pointers.
+`cs336-bench leaderboard --variant all` times them with the course's harness; `runs/README.md` has the table.
+Non-shipped variants launch eagerly (a graph break under torch.compile).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ ABLATION_VARIANTS: dict[str, type[torch.autograd.Function]] = {
     "single_pass": autograd_function("FlashSinglePassQrows", KernelOptions(single_qrows=True)),
     "gluon_everywhere": autograd_function("FlashGluonEverywhere", KernelOptions(gluon_fwd=True, gluon_kv=True)),
     "gluon_fwd_everywhere": autograd_function("FlashGluonFwdEverywhere", KernelOptions(gluon_fwd=True)),
+    "gluon_bwd_everywhere": autograd_function("FlashGluonBwdEverywhere", KernelOptions(gluon_kv=True)),
     "gluon_two_pass_everywhere": autograd_function(
         "FlashGluonTwoPassEverywhere", KernelOptions(gluon_fwd=True, gluon_kv=True, deterministic=True)),
     "single_keys": FlashAttention2Triton,
