@@ -341,7 +341,8 @@ def test_flash_backward_chooses_the_kv_pass(monkeypatch, fresh_plans, opts, min_
     triton = lambda *a, **kw: calls.append(("triton",))  # noqa: E731
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
-    monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, 64, min_work)
+    monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, (64, True), min_work)
+    monkeypatch.setitem(chooser.GLUON_KV_MIN_WORK, 64, min_work // 2)
     monkeypatch.setattr(launch.gluon, "supported", lambda *a, single_pass=False, **kw: single or not single_pass)
     monkeypatch.setattr(launch.gluon, "kv_launch", lambda is_causal, config, cached, qrows, band: (
         lambda tensors, scale: calls.append(("gluon", qrows, config, tensors[8] is not None))))
@@ -366,7 +367,8 @@ def test_flash_gluon_plans_hand_the_compiles_ahead_what_they_would_launch(monkey
     monkeypatch.setattr(launch, "tma_wanted", lambda o, q: True)
     monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
     monkeypatch.setattr(chooser, "GLUON_FWD_MIN_WORK", 1)
-    monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, 64, 1)
+    for causal in (True, False):  # (a window's threshold is the non-causal one)
+        monkeypatch.setitem(chooser.GLUON_BWD_MIN_WORK, (64, causal), 1)
     monkeypatch.setattr(gluon, "fwd_supported", lambda *a, **kw: True)
     monkeypatch.setattr(gluon, "supported", lambda *a, **kw: True)
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)

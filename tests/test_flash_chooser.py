@@ -84,22 +84,26 @@ def test_flash_chooser_two_pass_takes_the_gluon_kv_pass_only_unsplit_and_large()
 
 
 @pytest.mark.parametrize("batch,seq,d,causal,forward,backward,gluon_kv,inlined_fwd,inlined_bwd", [
-    (32, 512, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, False, True),  # 2^27: the Gluon forward ...
-    (32, 512, 128, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # ... d 128 the Gluon backward
+    (32, 512, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # 2^27: the Gluon forward, and
+    # at causal d 64 the single pass from 2^25 visible
+    (32, 512, 64, False, Forward.GLUON, Backward.TRITON_TWO_PASS, True, False, False),  # not causal: Gluon dK/dV
+    (32, 512, 128, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # d 128 the Gluon backward
     (32, 512, 128, True, Forward.GLUON, Backward.TRITON_TWO_PASS, True, False, False),  # 2^26 visible: Gluon dK/dV
     (16, 1024, 64, False, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # 2^28: Gluon both ways
-    (16, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, True, False, False),  # 2^27 visible: Gluon dK/dV
+    (16, 1024, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),
     (16, 1024, 128, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),
     (8, 2048, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),
-    (8, 1024, 64, True, Forward.GLUON, Backward.TRITON_TWO_PASS, False, False, True),  # 2^26 visible at d 64: Triton
-    (1, 1024, 64, True, Forward.TRITON, Backward.TRITON_TWO_PASS, False, True, True),  # 2^24 (host-bound): Triton
+    (8, 1024, 64, True, Forward.GLUON, Backward.GLUON_SINGLE, False, False, False),  # 2^26 visible at causal d 64
+    (4, 1024, 64, True, Forward.TRITON, Backward.GLUON_SINGLE, False, True, False),  # 2^25 visible: Triton forward
+    (1, 1024, 64, True, Forward.TRITON, Backward.TRITON_TWO_PASS, False, True, True),  # 2^23 (host-bound): Triton
     (4, 512, 128, False, Forward.TRITON, Backward.TRITON_TWO_PASS, False, True, True),  # 2^24 at d 128
 ])
 def test_flash_chooser_gluon_thresholds_at_the_training_grid(batch, seq, d, causal, forward, backward, gluon_kv,
                                                              inlined_fwd, inlined_bwd):
     """The training grid's points (16 heads): the Gluon forward from GLUON_FWD_MIN_WORK, the Gluon single pass from
-    its head dim's GLUON_BWD_MIN_WORK of visible work (half the work when causal), the two-pass design's Gluon dK/dV
-    pass from half that, each inlined under torch.compile below its own threshold (the backward: below both)."""
+    GLUON_BWD_MIN_WORK of visible work (half the work when causal) by head dim and causality, the two-pass design's
+    Gluon dK/dV pass from GLUON_KV_MIN_WORK where the single pass does not run, each inlined under torch.compile
+    below its own threshold (the backward: below both)."""
     grid_call = call(sizes=dict(batch=batch, heads=16, n_q=seq, n_k=seq), d=d, causal=causal)
     assert chooser.forward_design(grid_call) == (forward, 0)
     choice = chooser.backward_design(grid_call)
@@ -133,7 +137,8 @@ def test_flash_chooser_routes_windowed_calls(sizes, opts, window_keys):
     windowed = call(sizes=sizes, window_keys=window_keys)
     band_work = sizes["batch"] * sizes["heads"] * sizes["n_q"] * window_keys
     assert windowed.visible_work == band_work
-    gluon = band_work >= chooser.gluon_bwd_min_work(64) if "gluon_kv" not in opts else opts["gluon_kv"]
+    # (a window keeps the non-causal threshold, though the call is causal)
+    gluon = band_work >= chooser.gluon_bwd_min_work(64, False) if "gluon_kv" not in opts else opts["gluon_kv"]
     gluon_fwd = band_work >= chooser.GLUON_FWD_MIN_WORK if "gluon_fwd" not in opts else opts["gluon_fwd"]
     single = chooser.BackwardChoice(Backward.GLUON_SINGLE)
     forward = chooser.forward_design(windowed, KernelOptions(**opts))

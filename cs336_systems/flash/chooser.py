@@ -22,9 +22,10 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   packed sequences, deterministic not True, the
   Gluon single pass takes the call (any work)       | GLUON_SINGLE (over a table of (sequence, key tile) slots)
   packed sequences otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
-  deterministic not True, visible work >= gluon_bwd_min_work(d),
-  Gluon single pass takes the call (under a window:
-  the band's work, self-attention)                  | GLUON_SINGLE (dQ by TMA reductions)
+  deterministic not True, visible work >=
+  gluon_bwd_min_work(d, causal), Gluon single pass
+  takes the call (under a window: the band's work,
+  self-attention)                                   | GLUON_SINGLE (dQ by TMA reductions)
   a sliding window, deterministic False otherwise   | TRITON_SINGLE
   a sliding window otherwise                        | TRITON_TWO_PASS, unsplit, both passes in Triton
   deterministic False otherwise                     | TRITON_SINGLE (dQ by fp32 atomics)
@@ -57,17 +58,23 @@ import torch
 from cs336_systems.flash.tuning import FIXED_CONFIG, TileConfig
 
 # The forward runs in Gluon from GLUON_FWD_MIN_WORK batch·heads·Nq·Nk, the single-pass backward from
-# GLUON_BWD_MIN_WORK of visible work (causal: half), the two-pass design's dK/dV pass from half that
-# (`gluon_kv_min_work`). A Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's cached
-# C launch, and short calls are host-bound, so they keep Triton. Measured on the H200 (runs/ab: the Gluon forward as
-# fast or faster from 2^27 at d 64 and 128; the Gluon single pass against the Triton two-pass, interleaved rounds, at
-# 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where its extra
-# host time shows (causal 16 × 1024 d 64: 0.90 against 0.66 ms)). In the band below the single pass's, the two-pass
-# design with its dK/dV pass in Gluon (no fp32 dQ accumulator to clear, fill and cast) beat the Triton two-pass at
-# every point measured and the single pass at most (H100, settled calls, runs/ab/backward_designs_6414799.jsonl);
-# a band lower, the Triton two-pass won at most points.
+# GLUON_BWD_MIN_WORK of visible work (causal: half) by head dim and causality, the two-pass design's dK/dV pass from
+# GLUON_KV_MIN_WORK. A Gluon launch (host-side TMA descriptors) costs more host time than a Triton kernel's cached C
+# launch, and short calls are host-bound, so they keep Triton. Measured on the H200 (runs/ab: the Gluon forward as fast
+# or faster from 2^27 at d 64 and 128; the Gluon single pass against the Triton two-pass, interleaved rounds, at
+# 32 × 512 and 16 × 1024: faster from 2^28 visible at d 64 and from 2^27 at d 128, slower below, where its extra host
+# time shows). In the band below the single pass's, the two-pass design with its dK/dV pass in Gluon (no fp32 dQ
+# accumulator to clear, fill and cast) beat the Triton two-pass at every point measured and the single pass at most
+# (H100, settled calls, runs/ab/backward_designs_6414799.jsonl); a band lower, the Triton two-pass won at most points.
+# Causal d 64 is the exception: there the single pass beat both at every point measured down to 2^25.6 visible, on
+# the grid's points (32 × 512 0.90×, 16 × 1024 0.96×) and in the LM's train step (0.993–0.998× at contexts 256 and
+# 1024; H100, runs/ab/single_pass_causal_threshold_a5d4242.jsonl); not causal at 2^27 it lost (1.04×), at d 128
+# causal 2^26 too (1.10×; runs/ab/grid_short_points_gluon_everywhere_7b86a1d.jsonl). A window keeps the
+# non-causal thresholds (its band was measured apart).
 GLUON_FWD_MIN_WORK = 1 << 27
-GLUON_BWD_MIN_WORK = {64: 1 << 28, 128: 1 << 27}  # per Gluon head dim (d <= 64 runs the d-64 kernels)
+GLUON_BWD_MIN_WORK = {(64, False): 1 << 28, (64, True): 1 << 25,  # (Gluon head dim, dense causal)
+                      (128, False): 1 << 27, (128, True): 1 << 27}
+GLUON_KV_MIN_WORK = {64: 1 << 27, 128: 1 << 26}
 NO_WINDOW = (-1, -1)  # `flash_attention`'s default window: every key (the causal mask aside)
 SPLIT_UNIT = 128  # chunks of a split pass are multiples of every tile size
 MIN_SPLIT_STEPS = 128  # SPLIT_UNIT steps a reduction needs before it is split (`split_rows`)
@@ -220,28 +227,35 @@ def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bo
     return work >= min_work if flag is None else flag
 
 
-def gluon_bwd_min_work(d: int) -> int:
-    """The visible work from which a backward of head dim d runs the Gluon single pass (`GLUON_BWD_MIN_WORK`)."""
-    return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128]
+def gluon_bwd_min_work(d: int, causal: bool = False) -> int:
+    """The visible work from which a backward of head dim d (causal: a dense causal call; a window's band counts as
+    not causal) runs the Gluon single pass (`GLUON_BWD_MIN_WORK`)."""
+    return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128, causal]
 
 
 def gluon_kv_min_work(d: int) -> int:
-    """The visible work from which the two-pass backward of head dim d runs its dK/dV pass in Gluon: half the single
-    pass's (`gluon_bwd_min_work`); below it no Gluon backward runs."""
-    return gluon_bwd_min_work(d) // 2
+    """The visible work from which the two-pass backward of head dim d runs its dK/dV pass in Gluon
+    (`GLUON_KV_MIN_WORK`)."""
+    return GLUON_KV_MIN_WORK[64 if d <= 64 else 128]
+
+
+def _single_min_work(call: Call) -> int:
+    """`gluon_bwd_min_work` of a call: a window keeps the non-causal threshold."""
+    return gluon_bwd_min_work(call.d, call.causal and not call.window)
 
 
 def gluon_lengths(batch_heads: int, d: int, causal: bool) -> tuple[int, ...]:
     """The shortest lengths, in whole 256-row tiles, at which a self-attention call of batch·heads runs the Gluon
-    forward with each Gluon backward by their work (the two-pass design's dK/dV pass, then the single pass; one
-    length where both start together): where a signature compiles its Gluon kernels ahead of its longer calls
-    (`launch.prewarm`)."""
+    forward with each Gluon backward the default routing meets by their work (the two-pass design's dK/dV pass where
+    it starts below the single pass, then the single pass; one length where both start together): where a signature
+    compiles its Gluon kernels ahead of its longer calls (`launch.prewarm`)."""
     def length(visible: int) -> int:
         work = max(GLUON_FWD_MIN_WORK, visible * (2 if causal else 1))
         n = math.isqrt(-(-work // max(batch_heads, 1)) - 1) + 1  # (the ceiling of the square root)
         return -(-n // 256) * 256
 
-    return tuple(sorted({length(gluon_kv_min_work(d)), length(gluon_bwd_min_work(d))}))
+    single = gluon_bwd_min_work(d, causal)
+    return tuple(sorted({length(min(gluon_kv_min_work(d), single)), length(single)}))
 
 
 def forward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> tuple[Forward, int]:
@@ -262,7 +276,7 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
     if not call.kernels or not opts.triton_backward:
         return BackwardChoice(Backward.PYTORCH)
     if call.varlen:  # (the Triton IS_VARLEN passes have no atomic dQ: the two-pass design, bitwise repeatable)
-        wanted = _gluon_wanted(opts.gluon_kv, call, gluon_bwd_min_work(call.d), call.visible_work)
+        wanted = _gluon_wanted(opts.gluon_kv, call, _single_min_work(call), call.visible_work)
         if opts.deterministic is not True and wanted and call.tma and call.gluon_single:
             return BackwardChoice(Backward.GLUON_SINGLE)
         return BackwardChoice(Backward.TRITON_TWO_PASS)
@@ -270,7 +284,7 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
         return (_gluon_wanted(opts.gluon_kv, call, min_work, call.visible_work)
                 and opts.skip_masked_tiles and call.tma)
 
-    if opts.deterministic is not True and gluon_from(gluon_bwd_min_work(call.d)) and call.gluon_single:
+    if opts.deterministic is not True and gluon_from(_single_min_work(call)) and call.gluon_single:
         return BackwardChoice(Backward.GLUON_SINGLE)
     if opts.deterministic is False:
         return BackwardChoice(Backward.TRITON_SINGLE)
@@ -285,7 +299,8 @@ def backward_design(call: Call, opts: KernelOptions = DEFAULT_OPTIONS) -> Backwa
 def inlined(call: Call, backward: bool = False) -> bool:
     """Whether a traced forward (`backward`: backward) with the default options runs the flat Triton kernels
     launched by Inductor: on a GPU, short of the Gluon kernels' work, no pass split."""
-    short = call.visible_work < gluon_kv_min_work(call.d) if backward else call.work < GLUON_FWD_MIN_WORK
+    short = (call.visible_work < min(gluon_kv_min_work(call.d), _single_min_work(call)) if backward
+             else call.work < GLUON_FWD_MIN_WORK)
     return (call.kernels and call.sms > 0 and short and not call.window and not call.varlen
             and not _split(DEFAULT_OPTIONS, call, call.n_q, call.n_k)
             and not _split(DEFAULT_OPTIONS, call, call.n_k, call.n_q))
