@@ -227,7 +227,7 @@ def _gluon_wanted(flag: bool | None, call: Call, min_work: int, work: int) -> bo
     return work >= min_work if flag is None else flag
 
 
-def gluon_bwd_min_work(d: int, causal: bool = False) -> int:
+def gluon_bwd_min_work(d: int, causal: bool) -> int:
     """The visible work from which a backward of head dim d (causal: a dense causal call; a window's band counts as
     not causal) runs the Gluon single pass (`GLUON_BWD_MIN_WORK`)."""
     return GLUON_BWD_MIN_WORK[64 if d <= 64 else 128, causal]
