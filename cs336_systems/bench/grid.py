@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the training grid, and the host-bound step (1 x 16 x 1024 x 64 bf16 causal fwd_bwd)")
     p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, metavar="IMPL", type=impls.registry_name,
                    help="grid implementations, names of the impls registry (e.g. flash_triton:gluon_fwd); "
-                        f"{CUDNN} and {FLASH} are the references of the ratios")
+                        f"{CUDNN} and {FLASH} are the references of the ratios: a list without them gives rows "
+                        "without ratios")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="grid passes to time")
     p.add_argument("--batch-seq", nargs="+", type=batch_seq, default=None, metavar="BxS",
                    help="only these (batch, seq) points of the grid, e.g. 8x2048 (default: all)")
@@ -307,6 +308,8 @@ def target_lines(rows: list[Row]) -> list[str]:
     if extra is not None:
         lines.append(f"- host-bound step, functional op ≤ class + {OP_EXTRA_US:g} µs: op - class = {extra:+.1f} µs "
                      f"({'met' if extra <= OP_EXTRA_US else 'missed'})")
+    if on_grid and not any(r["impl"] in REFERENCES for r in on_grid):
+        lines.append(f"- no reference on the grid (--impls without {CUDNN} and {FLASH}): no ratios, no targets")
     return ["targets (ratios: ms / the reference's ms in the same run; timings off the GPU mean nothing):", *lines]
 
 

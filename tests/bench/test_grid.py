@@ -135,6 +135,15 @@ def test_render_states_the_worst_ratio_per_target(tmp_path):
     assert "op - class = +8.0 µs (met)" in table
 
 
+def test_targets_say_when_no_reference_ran():
+    """A grid of variants only (--impls without cuDNN and SDPA flash) has no ratios: the targets say so rather than
+    print nothing."""
+    rows = [row("flash_triton", "fwd_bwd", 1.8), row("flash_triton:gluon_bwd_everywhere", "fwd_bwd", 1.7)]
+    assert grid.target_lines(rows)[-1].startswith("- no reference on the grid")
+    with_reference = [row("sdpa_cudnn", "fwd_bwd", 2.0), row("flash_triton", "fwd_bwd", 1.8, x_cudnn=0.9)]
+    assert not any("no reference" in line for line in grid.target_lines(with_reference))
+
+
 def test_largest_inputs_are_those_of_the_sections_run():
     """q, k, v and dO of the largest point measured (the device only bounds them)."""
     assert grid.largest_inputs(parsed("--sections", "host"), None)[0] == 4 * 16 * 1024 * 64 * 2
