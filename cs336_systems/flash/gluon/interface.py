@@ -362,10 +362,9 @@ def _kv_launch_plan(tensors: tuple, is_causal: bool, config, qrows: bool = False
 def kv_pass(q4, k4, v4, do4, lse, delta, dk4, dv4, is_causal: bool, scale: float, config=None,
             cached: bool = True, qrows: bool = False, dq_acc=None, groups: tuple[int, int] | None = None,
             band: tuple[int, int] | None = None) -> None:
-    """dK·scale, dV into dk4, dv4 (contiguous; the keys-on-rows single pass's: in k4's and v4's layouts) for
-    tensors `supported` accepted with the same config and `qrows` (and `single_pass` with dq_acc); lse, delta:
-    contiguous (B·H, Nq) fp32. cached=False (e.g. with launch hooks installed, which only Triton's own launch path
-    calls) launches through the JIT every time.
+    """dK·scale, dV into dk4, dv4 (in k4's and v4's layouts) for tensors `supported` accepted with the same config
+    and `qrows` (and `single_pass` with dq_acc); lse, delta: contiguous (B·H, Nq) fp32. cached=False (e.g. with
+    launch hooks installed, which only Triton's own launch path calls) launches through the JIT every time.
     qrows: the kernel with the queries on rows (`flash_bwd_kv_qrows_gluon_kernel`). dq_acc: a single pass, which
     also adds dQ = dS·K (unscaled) of every tile into this zeroed, contiguous fp32 (B·H, Nq, D) accumulator by
     TMA bulk reductions (`flash_bwd_single_keys_gluon_kernel`, or with qrows the queries-on-rows kernel with
