@@ -197,6 +197,70 @@ def test_op_outputs_of_fused_qkv_slices_take_the_bshd_layout(cpu_path):
         assert _layouts(op(*args)) == _fake_layouts(op, args), f"{op}: real and fake outputs differ"
 
 
+# Each op revision's outputs (ops.OP_REVISION): a digest of `_op_outputs_table()`. Outputs that change need a new
+# revision, or torch.compile's on-disk caches would serve graphs compiled against the old ones: raise OP_REVISION and
+# record its digest here; never edit a recorded one.
+OUTPUTS_BY_REVISION = {1: "5fd84ed7c528ac6b"}
+
+
+def _op_outputs_table() -> list[tuple]:
+    """(op, input layout, dtype, [(shape, strides, dtype) of each output]) of every cs336 op's fake kernel over the
+    input layouts the ops take: contiguous (B, H, S, D), (B, S, H, D) memory, fused QKV slices, grouped and
+    cross-length K/V, no batch dimension; packed (total, H, D) rows alone or as fused slices."""
+    from cs336_systems.flash import ops
+
+    def dense(*shape, dtype, perm=None):
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        return t if perm is None else t.permute(perm)
+
+    def fused(b, s, h, hkv, d, dtype):
+        qkv = torch.empty(b, s, (h + 2 * hkv) * d, dtype=dtype, device="meta").view(b, s, h + 2 * hkv, d)
+        return [t.transpose(1, 2) for t in qkv.split((h, hkv, hkv), dim=2)]
+
+    table = []
+    for dtype in (torch.bfloat16, torch.float32):
+        layouts = {
+            "bhsd": [dense(2, 4, 24, 16, dtype=dtype) for _ in range(3)],
+            "bshd": [dense(2, 24, 4, 16, dtype=dtype, perm=(0, 2, 1, 3)) for _ in range(3)],
+            "fused": fused(2, 24, 4, 4, 16, dtype),
+            "fused_gqa": fused(2, 24, 4, 2, 16, dtype),
+            "gqa_cross": [dense(2, 4, 24, 16, dtype=dtype), *(dense(2, 2, 40, 16, dtype=dtype) for _ in range(2))],
+            "hsd": [dense(4, 24, 16, dtype=dtype) for _ in range(3)],
+        }
+        for name, (q, k, v) in layouts.items():
+            o, lse = ops.flash_attn_fwd_launch(q, k, v, True, 0.25)
+            table.append(("fwd", name, str(dtype), _layouts((o, lse))))
+            table.append(("bwd", name, str(dtype), _layouts(ops.flash_attn_bwd_launch(o, q, k, v, o, lse, True,
+                                                                                     0.25, None))))
+        cu = torch.tensor([0, 10, 24], device="meta")
+        packed = {"rows": [dense(24, 4, 16, dtype=dtype) for _ in range(3)],
+                  "fused": list(dense(24, 12, 16, dtype=dtype).view(24, 3, 4, 16).unbind(1))}
+        for name, (q, k, v) in packed.items():
+            o, lse = ops.flash_attn_varlen_fwd(q, k, v, cu, cu, 14, 14, True, 0.25)
+            table.append(("varlen_fwd", name, str(dtype), _layouts((o, lse))))
+            table.append(("varlen_bwd", name, str(dtype), _layouts(ops.flash_attn_varlen_bwd(
+                o, q, k, v, o, lse, cu, cu, 14, 14, True, 0.25))))
+    return table
+
+
+def test_op_outputs_match_the_op_revision():
+    """The ops' outputs (shapes, strides, dtypes from their fake kernels) are the ones recorded for OP_REVISION:
+    changing them without a new revision would let torch.compile's caches (keyed on the graph's op names) serve a
+    graph compiled against the old outputs, which fails Inductor's stride asserts after an upgrade."""
+    import hashlib
+
+    from cs336_systems.flash import ops
+
+    table = _op_outputs_table()
+    digest = hashlib.sha256(repr(table).encode()).hexdigest()[:16]
+    shown = "\n".join(map(str, table))
+    assert OUTPUTS_BY_REVISION.get(ops.OP_REVISION) == digest, (
+        f"the ops' outputs are not revision {ops.OP_REVISION}'s (digest {digest}): if they changed on purpose, raise "
+        f"OP_REVISION in cs336_systems/flash/ops.py and record the digest in OUTPUTS_BY_REVISION\n{shown}")
+    for name in ("flash_attn_fwd_launch", "flash_attn_bwd_launch", "flash_attn_varlen_fwd", "flash_attn_varlen_bwd"):
+        assert getattr(torch.ops.cs336, name).overloads() == [f"r{ops.OP_REVISION}"], name
+
+
 def test_op_compiles_with_strided_inputs(pytorch_path):
     """torch.compile over a fused projection's strided q, k, v: Inductor (which checks the op's output strides
     against its fake kernel's) and aot_eager, forward and backward, equal to eager."""

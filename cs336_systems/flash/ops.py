@@ -39,6 +39,17 @@ from cs336_systems.validation import check_attention_inputs, check_flag, check_s
     check_varlen_offsets, check_window, refuse_double_backward
 
 
+# The overload name of every cs336 op: raise it when an op's outputs change (layout, shape or dtype). torch.compile's
+# on-disk caches key on a graph's op names, not on our code: a graph cached against the old outputs would fail
+# Inductor's stride asserts after an upgrade. tests/test_op_edges.py holds each revision's outputs.
+OP_REVISION = 1
+
+
+def _op_name(name: str) -> str:
+    """`cs336::name.rN`, the op's qualified name at this revision."""
+    return f"cs336::{name}.r{OP_REVISION}"
+
+
 def _plain(t: torch.Tensor) -> bool:
     """Whether an op body runs eagerly on real tensors (not fake or functional ones, as when traced)."""
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
@@ -127,7 +138,7 @@ def backward_inlined(do, q, k, v, o, lse, is_causal: bool, scale: float):
     return dq, dk, dv
 
 
-@torch.library.custom_op("cs336::flash_attn_fwd_launch", mutates_args=(), device_types=None)
+@torch.library.custom_op(_op_name("flash_attn_fwd_launch"), mutates_args=(), device_types=None)
 def flash_attn_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                           window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attn_fwd` by the launchers, opaque to torch.compile."""
@@ -144,7 +155,7 @@ def _(q, k, v, is_causal, scale, window_left=-1, window_right=-1):
     return _empty_outputs(q)
 
 
-@torch.library.custom_op("cs336::flash_attn_bwd_launch", mutates_args=(), device_types=None)
+@torch.library.custom_op(_op_name("flash_attn_bwd_launch"), mutates_args=(), device_types=None)
 def flash_attn_bwd_launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           lse: torch.Tensor, is_causal: bool, scale: float, deterministic: bool | None,
                           window_left: int = -1,
@@ -213,7 +224,7 @@ _autocast_library = torch.library.Library("cs336", "FRAGMENT")
 def _register_autocast(name: str, cast: int) -> None:
     """Op `cs336::name` under autocast as SDPA is: its first `cast` arguments in the autocast dtype (the one in
     effect, not a fixed one as `torch.library.register_autocast` casts to), the op computed without autocast."""
-    op = getattr(torch.ops.cs336, name).default
+    op = getattr(getattr(torch.ops.cs336, name), f"r{OP_REVISION}")
     for device, key in _AUTOCAST_DEVICES.items():
         def kernel(_keyset, *args, device=device):
             dtype = torch.get_autocast_dtype(device)
@@ -221,7 +232,7 @@ def _register_autocast(name: str, cast: int) -> None:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
                 return op(*args)
 
-        _autocast_library.impl(name, kernel, key, with_keyset=True)
+        _autocast_library.impl(f"{name}.r{OP_REVISION}", kernel, key, with_keyset=True)
 
 
 # The launchers as the variants call them: a graph break under torch.compile once dynamo is loaded (before, nothing
@@ -237,8 +248,8 @@ def _register_traced_ops() -> None:
     global flash_attn_fwd, flash_attn_bwd, _launch_eagerly_forward, _launch_eagerly_backward
     if "flash_attn_fwd" in globals():
         return
-    flash_attn_fwd = torch.library.triton_op("cs336::flash_attn_fwd", mutates_args=())(_flash_attn_fwd)
-    flash_attn_bwd = torch.library.triton_op("cs336::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)
+    flash_attn_fwd = torch.library.triton_op(_op_name("flash_attn_fwd"), mutates_args=())(_flash_attn_fwd)
+    flash_attn_bwd = torch.library.triton_op(_op_name("flash_attn_bwd"), mutates_args=())(_flash_attn_bwd)
     flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
     _register_autocast("flash_attn_fwd", 3)  # q, k, v
     _register_autocast("flash_attn_bwd", 0)  # the forward's tensors and dO, in the dtype it ran in
@@ -420,7 +431,7 @@ def flash_attention(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cs336::flash_attn_varlen_fwd", mutates_args=(), device_types=None)
+@torch.library.custom_op(_op_name("flash_attn_varlen_fwd"), mutates_args=(), device_types=None)
 def flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
                           scale: float, window_left: int = -1, window_right: int = -1,
@@ -437,7 +448,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
     return empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("cs336::flash_attn_varlen_bwd", mutates_args=(), device_types=None)
+@torch.library.custom_op(_op_name("flash_attn_varlen_bwd"), mutates_args=(), device_types=None)
 def flash_attn_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, window_left: int = -1,
