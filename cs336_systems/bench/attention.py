@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cs336_systems.bench import impls, options, report
+from cs336_systems.bench import impls, options, report, verify
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.report import Output, Row
 from cs336_systems.bench.timing import inputs_bytes
@@ -75,8 +75,14 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         # built once per shape (a fresh static-shape compile for naive_compiled); fwd and bwd share it
         attn = impls.build(impl, impls.Setup(device, args.dtype, seq, backend))
 
+        checked: dict[str, float] = {}
+
         def inputs():
-            return [torch.randn(args.batch, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+            q, k, v = (torch.randn(args.batch, seq, d, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            if not checked:  # before anything is timed; a wrong result is an error row
+                checked.update(verify.check(attn, q, k, v, args.causal, args.dtype, backward="bwd" in todo))
+            return q, k, v
 
         def measure_fwd():
             q, k, v = inputs()
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             synchronize(device)
             mem_before_bwd = allocated_memory_mib(device)
             del saved
-            return {**stats, "mem_before_bwd_mb": mem_before_bwd}
+            return {**stats, "mem_before_bwd_mb": mem_before_bwd, **checked}
 
         def measure_bwd():
             q, k, v = inputs()
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
 
             stats = time_calls(lambda: out.backward(dout, retain_graph=True), device, iters=args.iters,
                                warmup=args.warmup, before=drop_grads)
-            return {**stats, "mem_before_bwd_mb": mem_before_bwd}
+            return {**stats, "mem_before_bwd_mb": mem_before_bwd, **checked}
 
         for mode, fn in (("fwd", measure_fwd), ("bwd", measure_bwd)):
             if mode in todo:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cs336_systems.bench import impls, options, report
+from cs336_systems.bench import impls, options, report, verify
 from cs336_systems.bench.options import add_sized, positive_int
 from cs336_systems.bench.report import Output, Row
 from cs336_systems.bench.timing import ITEMSIZE, inputs_bytes
@@ -113,7 +113,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 built["attn"] = impls.build(impl, impls.Setup(device, dtype_name, seq, backend))
             q, k, v = (torch.randn(args.batch, seq, d, device=device, dtype=torch_dtype(dtype_name),
                                    requires_grad=True) for _ in range(3))
-            return measure_mode(built["attn"], mode, q, k, v, args.causal, device, args)
+            if "errors" not in built:  # checked before anything is timed; a wrong result is an error row
+                built["errors"] = verify.check(built["attn"], q, k, v, args.causal, dtype_name,
+                                               backward=todo != ["fwd"])
+            return {**measure_mode(built["attn"], mode, q, k, v, args.causal, device, args), **built["errors"]}
 
         for mode in todo:
             flops = attention_flops(mode, args.batch, 1, seq, d, args.causal)

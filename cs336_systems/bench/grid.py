@@ -28,7 +28,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cs336_systems.bench import impls, options, report
+from cs336_systems.bench import impls, options, report, verify
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.report import Output, Row
 from cs336_systems.bench.timing import inputs_bytes, interleaved_rounds, median_of_rounds
@@ -188,6 +188,7 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
     order = [*(ref for ref in REFERENCES if ref in names), *(name for name in names if name not in REFERENCES)]
     setup = impls.Setup(device, point.dtype, point.seq_len, backend, grouped=point.n_kv_heads < point.n_heads)
     built: dict[str, object] = {}
+    checked: dict[str, dict[str, float]] = {}
 
     def measure(name: str, mode: str) -> Row:
         if name not in built:  # built inside the first measurement: Unsupported becomes its row
@@ -197,6 +198,8 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
                         dtype=torch_dtype(point.dtype), requires_grad=True)
         k, v = (torch.randn(point.batch, point.n_kv_heads, point.seq_len, point.d_head, device=device,
                             dtype=q.dtype, requires_grad=True) for _ in range(2))
+        if name not in checked:  # before anything is timed; a wrong result is an error row
+            checked[name] = verify.check(attn, q, k, v, point.is_causal, point.dtype, backward=modes != ["fwd"])
         if mode == "fwd":
             call = lambda: attn(q, k, v, point.is_causal)  # noqa: E731
         else:
@@ -209,7 +212,7 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
         result = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
         if section == "host":
             result.update(host_times(call, device, iters=args.iters, warmup=args.warmup))
-        return {**result, "peak_mem_mb": peak_memory_mib(device)}
+        return {**result, "peak_mem_mb": peak_memory_mib(device), **checked[name]}
 
     rounds = interleaved_rounds([(name, mode) for name in order for mode in modes], args.rounds, measure, device)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cs336_systems.bench import impls, options, report
+from cs336_systems.bench import impls, options, report, verify
 from cs336_systems.bench.options import add_sized, positive_float, positive_int
 from cs336_systems.bench.record import key_of
 from cs336_systems.bench.report import Output, Row
@@ -135,6 +135,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             fn = built["fn"]
             q, k, v = torch.randn(3, args.n_heads, args.seq, args.d, device=device, dtype=torch_dtype(dtype),
                                   requires_grad=True)
+            if "errors" not in built:  # checked before anything is timed; a wrong result is an error row
+                built["errors"] = verify.check(fn, q, k, v, True, dtype, backward="fwd_bwd" in todo)
             if mode == "fwd_bwd":
 
                 def f():
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 def f():
                     fn(q, k, v, True)
 
-            return harness_bench(f, device, args.warmup_ms, args.rep_ms)
+            return {**harness_bench(f, device, args.warmup_ms, args.rep_ms), **built["errors"]}
 
         for mode in todo:
             flops = attention_flops(mode, 1, args.n_heads, args.seq, args.d, True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cs336_systems.bench import impls, options, report
+from cs336_systems.bench import impls, options, report, verify
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_int
 from cs336_systems.bench.record import Unsupported, key_of
 from cs336_systems.bench.report import Output, Row
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             attn = built["attn"]
             q, k, v = (torch.randn(args.batch, args.n_heads, args.seq, args.d, device=device,
                                    dtype=torch_dtype(args.dtype), requires_grad=True) for _ in range(3))
+            if "errors" not in built:  # before anything is timed; a wrong result is an error row
+                built["errors"] = verify.check(attn, q, k, v, args.causal, args.dtype, backward=args.modes != ["fwd"])
             if mode == "fwd":
 
                 def call():
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             host = host_times(call, device, iters=args.iters, warmup=args.warmup)
             gpu = bench(call, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
             wall = time_calls(call, device, iters=args.iters, warmup=0)
-            return {**host, **gpu, "wall_ms": wall["ms"]}
+            return {**host, **gpu, "wall_ms": wall["ms"], **built["errors"]}
 
         for mode in args.modes:
             fields = {**base, "mode": mode}

@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from cs336_systems.bench.timing import free_memory, peak_memory_mib
+from cs336_systems.bench.verify import ERROR_FIELDS
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +74,7 @@ DONE_STATUSES = ("ok", "oom", "unsupported")  # what --resume does not measure a
 LOG_FIELDS = ("impl", "variant", "kernel", "model_size", "compiled", "mode", "dtype", "seq_len", "d_head")
 NUMBER = (int, float)
 # Optional numeric fields: when present they must be numbers (or null).
-NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb")
+NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb", *ERROR_FIELDS)
 # Times that tables divide by and plots take logs of: when present, positive and finite.
 TIME_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean")
 BASE_FIELDS = {"status": str, "impl": str}
