@@ -201,14 +201,16 @@ def test_varlen_bad_input_raises_before_any_work(args, error, words):
 
 
 def test_varlen_offsets_are_read_once_per_tensor(monkeypatch):
-    """The offsets' values are read (a device sync on CUDA) once per tensor: again only for another tensor, other
-    sizes, or after an in-place write, which a bad value then fails."""
+    """Where a check is kept (CUDA offsets, whose read is a device sync; `_check_kept` patched here), the offsets'
+    values are read once per tensor: again only for another tensor, other sizes, or after an in-place write, which a
+    bad value then fails."""
     from cs336_systems import flash_attention_varlen
     from cs336_systems.flash import ops
 
     reads = []
     check = ops.check_varlen_offsets
     monkeypatch.setattr(ops, "check_varlen_offsets", lambda cu, *a: (reads.append(cu), check(cu, *a)))
+    monkeypatch.setattr(ops, "_check_kept", lambda cu: True)
     args = _args()
     cu = args["cu_seqlens_k"] = args["cu_seqlens_q"]  # self-attention: one offsets tensor for both sides
     flash_attention_varlen(**args)
@@ -221,6 +223,45 @@ def test_varlen_offsets_are_read_once_per_tensor(monkeypatch):
     cu[1] = 5  # a sequence longer than max_seqlen now
     with pytest.raises(ValueError, match="max_seqlen_q is 4"):
         flash_attention_varlen(**args)
+
+
+def test_varlen_cpu_and_inference_offsets_are_read_every_call():
+    """CPU offsets are read every call (no sync to save): a write through NumPy, which PyTorch's version counter
+    does not see, is caught. Inference tensors (no version counter) work, under inference_mode too."""
+    from cs336_systems import flash_attention_varlen
+
+    args = _args()
+    cu = args["cu_seqlens_k"] = args["cu_seqlens_q"]
+    flash_attention_varlen(**args)
+    cu.numpy()[-1] = 5  # the packed length is 7
+    with pytest.raises(ValueError, match="packed length 7"):
+        flash_attention_varlen(**args)
+    cu.numpy()[-1] = 7
+    with torch.inference_mode():
+        inference_cu = cu.clone()
+        o = flash_attention_varlen(**{**args, "cu_seqlens_q": inference_cu, "cu_seqlens_k": inference_cu})
+        assert torch.equal(o, flash_attention_varlen(**args))
+        inference_cu[1] = 5  # a sequence longer than max_seqlen now
+        with pytest.raises(ValueError, match="max_seqlen_q is 4"):
+            flash_attention_varlen(**{**args, "cu_seqlens_q": inference_cu, "cu_seqlens_k": inference_cu})
+
+
+@pytest.mark.parametrize("offsets,max_seqlen", [([0, 3, 7], 3), ([0, 5, 3, 7], 7), ([0, 3, 6], 7)],
+                         ids=["longer-than-max", "decreasing", "short-total"])
+def test_varlen_offsets_are_asserted_under_compile(offsets, max_seqlen):
+    """Under torch.compile the host does not read the offsets: their conditions are asserted on the device before
+    the kernels (a RuntimeError on the CPU), never rows left unwritten."""
+    from cs336_systems import flash_attention_varlen
+
+    q, k, v, _ = packed_inputs([3, 4], [3, 4], 2, 1, 16, torch.float32, seed=3)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+
+    def attend(a, b, c, cu):
+        return flash_attention_varlen(a, b, c, cu, cu, max_seqlen, max_seqlen, is_causal=True)
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="cu_seqlens_q: offsets must start at 0"):
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, cu)
 
 
 def test_varlen_bad_window_and_flags_raise():

@@ -495,9 +495,19 @@ _CHECKED_OFFSETS: dict[int, tuple] = {}
 _CHECKED_MAX = 8
 
 
+def _check_kept(cu_seqlens: torch.Tensor) -> bool:
+    """Whether a check of these offsets is kept for later calls: CUDA offsets (a read costs a device sync) that have
+    a version counter. CPU offsets cost no sync, and writes through NumPy bypass the counter; inference tensors have
+    none."""
+    return cu_seqlens.is_cuda and not cu_seqlens.is_inference()
+
+
 def _check_offsets_once(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> None:
     """`check_varlen_offsets`, skipped for the very tensor already checked with these sizes and unchanged since (its
-    version counter: in-place writes through PyTorch bump it)."""
+    version counter: in-place writes through PyTorch bump it), where `_check_kept`."""
+    if not _check_kept(cu_seqlens):
+        check_varlen_offsets(cu_seqlens, total, max_seqlen, name)
+        return
     seen = _CHECKED_OFFSETS.get(id(cu_seqlens))
     if seen is not None and seen[0]() is cu_seqlens and seen[1:] == (cu_seqlens._version, total, max_seqlen):
         return
@@ -505,6 +515,17 @@ def _check_offsets_once(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, n
     if len(_CHECKED_OFFSETS) >= _CHECKED_MAX:
         _CHECKED_OFFSETS.clear()
     _CHECKED_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, total, max_seqlen)
+
+
+def _assert_offsets(cu_seqlens: torch.Tensor, total, max_seqlen, name: str) -> None:
+    """`check_varlen_offsets`'s conditions where the host cannot read the offsets (torch.compile, CUDA-graph capture):
+    asserted on the device, before the kernels that would read or write past a sequence, instead of a silent wrong
+    answer (rows past max_seqlen never written)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    valid = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (lengths >= 0).all() & (lengths <= max_seqlen).all()
+    # (the message names no size: formatting a symbolic one would specialize the graph on it)
+    torch._assert_async(valid, f"{name}: offsets must start at 0, not decrease, end at the packed length, and no "
+                               "sequence may be longer than max_seqlen")
 
 
 def flash_attention_varlen(
@@ -531,7 +552,8 @@ def flash_attention_varlen(
     Checks raise TypeError or ValueError before any work; in an eager call that includes the offsets' values
     (0 first, non-decreasing, the total last, no sequence longer than max_seqlen), which reads them on the host: one
     device sync for CUDA offsets, once per offsets tensor (calls that pass the same, unmodified tensor again, as a
-    model's layers do, skip the read). Under torch.compile and CUDA-graph capture only the metadata is checked.
+    model's layers do, skip the read). Under torch.compile and CUDA-graph capture the values are asserted on the
+    device (`torch._assert_async`: a RuntimeError on the CPU, a device-side assert on CUDA) before the kernels run.
     torch.compile(fullgraph=True) takes the call whole (opaque custom ops `cs336::flash_attn_varlen_fwd`/`_bwd`).
     """
     is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
@@ -543,6 +565,9 @@ def flash_attention_varlen(
     if _offsets_readable(cu_seqlens_q):
         _check_offsets_once(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         _check_offsets_once(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    else:
+        _assert_offsets(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        _assert_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     max_seqlen_q, max_seqlen_k = (n if isinstance(n, torch.SymInt) else int(n) for n in (max_seqlen_q, max_seqlen_k))
     o, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                                  *window, deterministic)
