@@ -490,3 +490,12 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_tma_descriptors_are_not_built_over_stride_zero_rows():
+    """Expanded tensors (k or v broadcast over positions, the dO of a sum over them) are read through pointers, not
+    TMA descriptors, whose encoding does not promise to take a stride of 0; their values stay right."""
+    k = torch.randn(2, 4, 1, 16).expand(2, 4, 24, 16)
+    do = torch.randn(2, 4, 16)[:, :, None].expand(2, 4, 24, 16)  # autograd's dO for o.sum(dim=-2)
+    assert not launch.tma_strides_ok(k) and not launch.tma_strides_ok(do)
+    assert launch.tma_strides_ok(torch.randn(2, 4, 24, 16)) and launch.tma_strides_ok(k.contiguous())

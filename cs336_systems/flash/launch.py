@@ -221,9 +221,12 @@ def as_bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def tma_strides_ok(t: torch.Tensor) -> bool:
+    """A contiguous last dim and 16-byte multiples elsewhere, none of them 0: an expanded tensor's stride-0 rows (k
+    or v broadcast over positions, the dO of a sum over them) go through pointers, not a descriptor, whose encoding
+    does not promise to take them."""
     *outer, last = t.stride()
     per16 = 16 // t.element_size()
-    return last == 1 and all(s % per16 == 0 for s in outer)
+    return last == 1 and all(s > 0 and s % per16 == 0 for s in outer)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

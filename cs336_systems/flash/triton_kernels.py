@@ -56,9 +56,10 @@ def _tile_src(ptr, strides, batch, head, N, D: tl.constexpr, TILE: tl.constexpr,
 
 @triton.jit
 def _row_ptrs(ptr, strides, batch, head, offs_n, offs_d):
-    """Pointers to rows offs_n, columns offs_d of one (batch, head) of a (B, H, N, D) tensor."""
+    """Pointers to rows offs_n, columns offs_d of one (batch, head) of a (B, H, N, D) tensor. Row offsets in int64:
+    a (B, S, H, D) view's rows are H·D apart, and (N - 1)·H·D passes 2^31 in one (batch, head) of a long call."""
     return (ptr + batch * strides[0] + head * strides[1]
-            + offs_n[:, None] * strides[2] + offs_d[None, :] * strides[3])
+            + offs_n[:, None].to(tl.int64) * strides[2] + offs_d[None, :] * strides[3])
 
 
 @triton.jit
