@@ -276,11 +276,95 @@ def test_overlapped_variants_communicate_during_backward(ddp_results, kind):
         assert individual["pending_after_backward"] == [n_with_grad] * STEPS
         one_per_param = results[(kind, "bucketed", 1e-6)]
         assert one_per_param["n_buckets"] == one_per_param["n_params"]
-        assert one_per_param["pending_after_backward"] == [n_with_grad] * STEPS
+        # toy: `unused` (registered last) is in the first bucket, and every rank launches its buckets in one order:
+        # a parameter without a gradient holds back the buckets after it until finish_gradient_synchronization
+        assert one_per_param["pending_after_backward"] == [0 if kind == "toy" else n_with_grad] * STEPS
         one_bucket = results[(kind, "bucketed", 100.0)]
         assert one_bucket["n_buckets"] == 1
         # toy: the single bucket also holds `unused`, so it is only launched in finish_gradient_synchronization
         assert one_bucket["pending_after_backward"] == [0 if kind == "toy" else 1] * STEPS
+
+
+class BranchModel(nn.Module):
+    """Three linear layers; `b` runs only where the caller says (a data-dependent branch, an MoE expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h + self.b(x) if use_b else h)
+
+
+def branch_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+
+
+def bucketed_edges_worker(ctx) -> dict:
+    """DDPBucketed where ranks differ in which parameters get gradients (`b` on rank 0 only), and after the module
+    is cast to float64 behind the wrapper's back (wrapped in float32)."""
+    per_rank = GLOBAL_BATCH // ctx.world_size
+    results = {}
+    for bucket_mb in (1e-6, 100.0):
+        torch.manual_seed(100 + ctx.rank)
+        model = BranchModel().double()
+        ddp = DDPBucketed(model, bucket_mb)
+        optimizer = SGDMomentum(ddp.parameters())
+        for x in branch_batches():
+            ddp.on_train_batch_start()
+            optimizer.zero_grad()
+            ddp(x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], use_b=ctx.rank == 0).square().mean().backward()
+            ddp.finish_gradient_synchronization()
+            optimizer.step()
+        results[("branch", bucket_mb)] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(100 + ctx.rank)
+    model = BranchModel()  # float32 when wrapped
+    ddp = DDPBucketed(model, 100.0)
+    model.double()
+    ddp(torch.ones(2, 4, dtype=torch.float64), use_b=True).sum().backward()
+    ddp.finish_gradient_synchronization()
+    results["cast"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    results["cast_buckets"] = [b.buffer.dtype for b in ddp.buckets]
+    return results
+
+
+@pytest.fixture(scope="module")
+def bucketed_edges() -> list[dict]:
+    return launch(bucketed_edges_worker, WORLD_SIZE, backend="gloo", timeout_s=180, num_threads=1)
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-6, 100.0], ids=["bucket-per-param", "one-bucket"])
+def test_bucketed_parameter_used_on_some_ranks_only(bucketed_edges, bucket_mb):
+    """A parameter with a gradient on rank 0 only gets the average (rank 1 contributing zeros) on every rank: the
+    replicas stay identical and equal one process training on the mean of the two ranks' losses."""
+    torch.manual_seed(100)
+    model = BranchModel().double()
+    optimizer = SGDMomentum(model.parameters())
+    half = GLOBAL_BATCH // WORLD_SIZE
+    for x in branch_batches():
+        optimizer.zero_grad()
+        ((model(x[:half], True).square().mean() + model(x[half:], False).square().mean()) / 2).backward()
+        optimizer.step()
+    for rank, results in enumerate(bucketed_edges):
+        for name, value in results[("branch", bucket_mb)].items():
+            torch.testing.assert_close(value, model.state_dict()[name], **TOL, msg=f"rank {rank} {name}")
+
+
+def test_bucketed_follows_a_cast_after_wrapping(bucketed_edges):
+    """Cast to float64 after wrapping: buckets of float64, gradients averaged without a float32 rounding."""
+    for results in bucketed_edges:
+        assert results["cast_buckets"] == [torch.float64]
+        for name, grad in results["cast"].items():
+            assert grad.dtype == torch.float64
+            torch.testing.assert_close(grad, bucketed_edges[0]["cast"][name], rtol=0, atol=0)
+    # every rank ran the same input from rank 0's weights: the average is each rank's own float64 gradient
+    torch.manual_seed(100)
+    model = BranchModel().double()
+    model(torch.ones(2, 4, dtype=torch.float64), use_b=True).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(bucketed_edges[0]["cast"][name], p.grad, rtol=1e-15, atol=1e-15)
 
 
 def test_assign_buckets_reverse_order_and_size_limit():

@@ -28,10 +28,14 @@ autograd's C++ structures, where a strong reference back to the wrapper would fo
 garbage collector cannot see, and every dropped wrapper (with its module, gradients and buckets)
 would stay in memory. A dropped wrapper's hooks do nothing; `remove_hooks()` detaches them.
 
-Assumption shared with PyTorch's DDP (without `find_unused_parameters`): every rank runs the same
-graph, so the same parameters get gradients in the same order. A parameter that gets no gradient in
-a step keeps `grad=None`; in `DDPBucketed` its slot is reduced as zeros, and a bucket that never
-filled during backward is reduced inside `finish_gradient_synchronization()`.
+Assumption shared with PyTorch's DDP (without `find_unused_parameters`) by `NaiveDDP`, `FlatDDP` and
+`DDPIndividualParameters`: every rank runs the same graph, so the same parameters get gradients in the same order.
+A parameter that gets no gradient in a step keeps `grad=None`. `DDPBucketed` needs less (as PyTorch's DDP with
+`find_unused_parameters`): it launches its buckets in one order on every rank, reduces a missing gradient as zeros
+(a bucket that never filled during backward inside `finish_gradient_synchronization()`), and a parameter that got a
+gradient on some ranks only ends with the average on every rank; one that got none anywhere keeps `grad=None`.
+The price of the one order: a parameter that gets no gradient holds back the buckets after it until
+`finish_gradient_synchronization()` (no overlap for them in that step).
 """
 
 from __future__ import annotations
@@ -252,11 +256,13 @@ def assign_buckets(params: list[torch.Tensor], bucket_size_bytes: float) -> list
 
 @dataclass
 class Bucket:
-    """One flat gradient buffer, the parameters packed in it, and this step's synchronization state."""
+    """One flat gradient buffer, the parameters packed in it, and this step's synchronization state. The buffer
+    ends with one flag per parameter (1 where this rank has its gradient), reduced with the gradients: after the
+    all-reduce a flag counts the ranks that had that gradient."""
 
     params: list[nn.Parameter]
     offsets: list[int]
-    buffer: torch.Tensor  # (total numel,), the parameters' dtype and device
+    buffer: torch.Tensor  # (total numel + len(params),), the parameters' dtype and device
     arrived: list[bool] = field(default_factory=list)
     n_arrived: int = 0
     work: dist.Work | None = None
@@ -266,6 +272,14 @@ class Bucket:
 
     def slot(self, j: int) -> torch.Tensor:
         return self.buffer[self.offsets[j] : self.offsets[j] + self.params[j].numel()]
+
+    @property
+    def full(self) -> bool:
+        return self.n_arrived == len(self.params)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buffer[self.buffer.numel() - len(self.params):]
 
     def reset(self) -> None:
         self.arrived = [False] * len(self.params)
@@ -308,15 +322,26 @@ class DDPBucketed(DataParallelBase):
             offsets = [0]
             for p in params[:-1]:
                 offsets.append(offsets[-1] + p.numel())
-            buffer = torch.zeros(offsets[-1] + params[-1].numel(), dtype=params[0].dtype, device=params[0].device)
+            buffer = torch.zeros(offsets[-1] + params[-1].numel() + len(params), dtype=params[0].dtype,
+                                 device=params[0].device)
             self.buckets.append(Bucket(params, offsets, buffer))
             for j, p in enumerate(params):
                 self._where[id(p)] = (b, j)
+        self._layout = [(p.dtype, p.device) for p in self.params]  # what the buffers were built for
+        self._next = 0  # the next bucket to launch: launches go in bucket order on every rank
 
     def _parameters_changed(self) -> None:
         self.on_train_batch_start()  # no reduction of the old buckets may still be writing into them
         self._build_buckets()
         super()._parameters_changed()
+
+    def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled() and [(p.dtype, p.device) for p in self.params] != self._layout:
+            # the module was cast or moved after wrapping (`.double()`, `.to(...)`): buffers of its new dtypes,
+            # not a reduction through the old ones (a float64 gradient averaged in float32)
+            self.on_train_batch_start()
+            self._build_buckets()
+        return super().forward(*inputs, **kwargs)
 
     @property
     def num_pending(self) -> int:
@@ -338,14 +363,28 @@ class DDPBucketed(DataParallelBase):
                 "finish_gradient_synchronization() in between (gradient accumulation over several "
                 "backward passes is not supported); call it after every backward"
             )
+        if param.grad.dtype != bucket.buffer.dtype:
+            raise RuntimeError(
+                f"{type(self).__name__}: a {param.grad.dtype} gradient for a {bucket.buffer.dtype} bucket (the module "
+                "was cast between forward and backward)")
         torch.div(param.grad.reshape(-1), self.world_size, out=bucket.slot(j))  # copy in, pre-scaled
         bucket.arrived[j] = True
         bucket.n_arrived += 1
-        if bucket.n_arrived == len(bucket.params):
-            self._launch(bucket)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the filled buckets from the next one on, in bucket order: every rank issues its all-reduces in
+        one order (collectives pair up by order), whatever order its gradients arrived in."""
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
+        if bucket.full:
+            bucket.flags.fill_(1)
+        else:
+            bucket.flags.copy_(torch.tensor(bucket.arrived, dtype=bucket.buffer.dtype))
         bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+        self._next += 1
 
     def on_train_batch_start(self) -> None:
         """Start a fresh step: wait out (and discard) any reduction left over from an unfinished one."""
@@ -353,20 +392,25 @@ class DDPBucketed(DataParallelBase):
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.reset()
+        self._next = 0
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        # Buckets that never filled (some parameter got no gradient) are reduced now, in bucket order,
-        # with zeros in the missing slots.
-        for bucket in self.buckets:
-            if bucket.work is None:
-                for j, arrived in enumerate(bucket.arrived):
-                    if not arrived:
-                        bucket.slot(j).zero_()
-                self._launch(bucket)
+        # Buckets that never filled (some parameter got no gradient here) are reduced now, in bucket order, with
+        # zeros in the missing slots. A parameter that got a gradient on another rank only then takes the average
+        # too (allocated here: the replicas must not drift apart); one that got none anywhere keeps grad None.
+        for bucket in self.buckets[self._next:]:
+            for j, arrived in enumerate(bucket.arrived):
+                if not arrived:
+                    bucket.slot(j).zero_()
+            self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
+            counts = None if bucket.full else bucket.flags.tolist()  # (a device sync, only where one is missing)
             for j, p in enumerate(bucket.params):
                 if bucket.arrived[j]:
                     p.grad.copy_(bucket.slot(j).view_as(p.grad))
+                elif counts[j] > 0:
+                    p.grad = bucket.slot(j).view_as(p).clone()
             bucket.reset()
+        self._next = 0
