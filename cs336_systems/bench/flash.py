@@ -175,6 +175,6 @@ def _speedups(group: list[Row], ref: str, dims: list[int]) -> list[Row]:
         for seq in report.distinct(group, "seq_len"):
             ours = report.pick(group, impl=OURS, d_head=d, seq_len=seq)
             theirs = report.pick(group, impl=ref, d_head=d, seq_len=seq)
-            if report.ok(ours) and report.ok(theirs):
+            if report.ok(ours) and report.ok(theirs) and report.same_run(ours, theirs):
                 points.append({"status": "ok", "d_head": d, "seq_len": seq, "x": theirs["ms"] / ours["ms"]})
     return points

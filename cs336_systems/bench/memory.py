@@ -138,6 +138,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             (dtype, mode): dict(
                 impl="naive", mode=mode, dtype=dtype, batch=args.batch, n_heads=config.num_heads, seq_len=ctx,
                 d_head=config.d_model // config.num_heads, is_causal=True, model_size=size, context_length=ctx,
+                vocab_size=args.vocab,
                 warmup_steps=args.warmup, steps=args.steps, d_model=config.d_model, num_layers=config.num_layers,
                 residual_mb=residual_mb(args.batch, ctx, config.d_model),
             )

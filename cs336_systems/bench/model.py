@@ -155,6 +155,7 @@ def measure_group(size: str, ctx: int, compiled: bool, args: argparse.Namespace,
         return dict(
             impl=attn_name, mode=mode, dtype=args.dtype, batch=batch, n_heads=config.num_heads, seq_len=ctx,
             d_head=config.d_model // config.num_heads, is_causal=True, model_size=size, context_length=ctx,
+            vocab_size=args.vocab,
             compiled=compiled, warmup_steps=args.warmup, steps=args.steps, d_model=config.d_model,
             num_layers=config.num_layers, **({"compile_backend": backend} if compiled else {}),
             **({"rounds": args.rounds} if args.rounds > 1 else {}),

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         fields = {mode: dict(impl="naive", mode=mode, dtype=args.dtype, batch=args.batch, n_heads=config.num_heads,
                              seq_len=ctx, d_head=config.d_model // config.num_heads, is_causal=True, model_size=size,
                              context_length=ctx, warmup_steps=args.warmup, steps=args.steps, d_model=config.d_model,
-                             num_layers=config.num_layers)
+                             num_layers=config.num_layers, vocab_size=args.vocab)
                   for mode in args.modes}
         state: dict[str, Any] = {}
 

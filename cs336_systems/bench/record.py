@@ -6,13 +6,13 @@ per-measurement failure policy (CUDA OOM -> an "oom" row, `Unsupported` -> an "u
 other exception -> an "error: ..." row with its traceback on stderr; the sweep continues, finished
 rows are already on disk).
 
-One run at a time writes a file (a lock on it); `--resume` skips the keys with an ok, oom or
-unsupported row. A row's identity (`KEY_FIELDS`, used by `--resume` and by the report) includes the
-device (`gpu`), the `smoke` mark and the timing settings (do_bench rep/warmup, timed/warm-up
-iterations or steps), so rows of another GPU, of the CPU or of other settings are never taken for the
-same measurement. The
-file is only ever appended to; every append starts on a fresh line, so a cut last line (killed run,
-an editor that drops the final newline) stays a lone unparsable line that readers skip with a warning.
+One run at a time writes a file (a lock on it); `--resume` skips the keys with an ok, oom or unsupported row
+measured by the same code (`code_sha`) under the same torch and triton. A row's identity (`KEY_FIELDS`, used
+by `--resume` and by the report) includes the device (`gpu`), the `smoke` mark and the timing settings
+(do_bench rep/warmup, timed/warm-up iterations or steps), so rows of another GPU, of the CPU or of other
+settings are never taken for the same measurement. The file is only ever appended to; every append starts on a
+fresh line, so a cut last line (killed run, an editor that drops the final newline) stays a lone unparsable
+line that readers skip with a warning.
 torch is imported lazily: this module is imported when the CLI builds its parser.
 """
 
@@ -58,6 +58,8 @@ KEY_FIELDS = (
     "model_size",
     "context_length",
     "compiled",
+    "compile_backend",
+    "vocab_size",
     "target",
     "tuning_key",
     # timing settings
@@ -71,6 +73,7 @@ KEY_FIELDS = (
 # Measurement fields every row carries (null when the measurement did not complete).
 METRIC_FIELDS = ("ms", "ms_p20", "ms_p80", "tflops", "peak_mem_mb")
 DONE_STATUSES = ("ok", "oom", "unsupported")  # what --resume does not measure again
+RESUME_FIELDS = ("code_sha", "torch", "triton")  # ... when measured by the same code
 LOG_FIELDS = ("impl", "variant", "kernel", "model_size", "compiled", "mode", "dtype", "seq_len", "d_head")
 NUMBER = (int, float)
 # Optional numeric fields: when present they must be numbers (or null).
@@ -263,8 +266,13 @@ class Recorder:
         self.done: set[tuple] = set()
         if resume:
             rows = valid_rows(read_rows(self.path), schema, self.path)
-            self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES}
+            self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES and self.same_code(r)}
         self.counts: dict[str, int] = {}
+
+    def same_code(self, row: Row) -> bool:
+        """Whether `row` measured what this run measures: the same sources (`code_sha`) under the same torch and
+        triton. `--resume` counts only such rows as done; a changed kernel is measured again."""
+        return all(row.get(f) == self.meta[f] for f in RESUME_FIELDS)
 
     def close(self) -> None:
         """Release the file lock (the process's exit releases it too)."""

@@ -1,14 +1,14 @@
 """report: render `<out>/<problem>/table.md` and PNG plots from each problem's metrics.jsonl.
 
-Only the JSONL files are read. Each problem module renders its own rows (`render(rows, out)`); this
-module is the shared toolkit (latest rows, pivots, markdown, plot helpers, one colour and label per
-implementation) and the loop over problems. Rows sharing a measurement key keep the
-latest ok row (else the latest row, so OOM / unsupported / error cells still show); non-ok cells print
-their status. Rows of different devices (and --smoke rows) are never mixed: each device gets its own
-section, and its plots a file-name suffix after the first device's. Rows that do not match the
-problem's schema (`record.valid_rows`, which `--resume` applies too) are skipped with a warning; the
-other rows and problems still render. The exit code is 2 when --out is not a folder or cannot be
-written, 1 when a problem named in --problems has no valid rows or --out holds no metrics.jsonl.
+Only the JSONL files are read. Each problem module renders its own rows (`render(rows, out)`); this module is
+the shared toolkit (latest rows, pivots, markdown, plot helpers, one colour and label per implementation) and
+the loop over problems. Rows sharing a measurement key keep the latest row, whatever its status; non-ok cells
+print their status. A ratio of two rows from different runs is marked †. Rows of different devices (and
+--smoke rows) are never mixed: each device gets its own section, and its plots a file-name suffix after the
+first device's. Rows that do not match the problem's schema (`record.valid_rows`, which `--resume` applies
+too) are skipped with a warning; the other rows and problems still render. The exit code is 2 when --out is
+not a folder or cannot be written, 1 when a problem named in --problems has no valid rows or --out holds no
+metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -140,13 +140,9 @@ def demote(section: str) -> str:
 
 
 def latest(rows: Iterable[Row], fields: Sequence[str] = KEY_FIELDS) -> list[Row]:
-    """One row per key: the last ok row if any, else the last row (file order is time order)."""
-    chosen: dict[tuple, Row] = {}
-    for r in rows:
-        k = key_of(r, fields)
-        if r.get("status") == "ok" or chosen.get(k, {}).get("status") != "ok":
-            chosen[k] = r
-    return list(chosen.values())
+    """One row per key: the last one (file order is time order), whatever its status: a newer run's error or OOM is
+    shown, not hidden behind an older ok row (`--resume` measures again what did not complete)."""
+    return list({key_of(r, fields): r for r in rows}.values())
 
 
 def ok(r: Row | None) -> bool:
@@ -195,11 +191,19 @@ def mean_std_cell(r: Row | None) -> str:
     return f"{fmt_num(mean)} ± {fmt_num(std)}" if std is not None else fmt_num(mean)
 
 
+CROSS_RUN = "†"  # marks a ratio of rows from two runs: the drift between runs is in it
+
+
 def ratio_cell(num: Row | None, den: Row | None, field: str = "ms") -> str:
-    """den / num as "1.23×" (a speedup of `num` over `den`), "–" unless both completed."""
+    """den / num as "1.23×" (a speedup of `num` over `den`), "–" unless both completed; "1.23×†" where the two rows
+    come from different runs (`header` says what † means)."""
     if not (ok(num) and ok(den)) or not num.get(field) or den.get(field) is None:
         return "–"
-    return f"{den[field] / num[field]:.2f}×"
+    return f"{den[field] / num[field]:.2f}×" + ("" if same_run(num, den) else CROSS_RUN)
+
+
+def same_run(*rows: Row) -> bool:
+    return len({r.get("run_id") for r in rows}) == 1
 
 
 def sort_value(field: str, value: Any) -> tuple:
@@ -296,6 +300,8 @@ def header(problem: str, rows: list[Row]) -> str:
         lines.append("- **some rows come from --smoke runs (tiny sizes, maybe the CPU): kept in their own section**")
     lines.append("- times in ms, memory in MiB; cells show OOM / unsupported / error where a measurement did "
                  "not complete")
+    lines.append(f"- a ratio marked {CROSS_RUN} divides rows of two runs (the machine's drift between them is in "
+                 "it); unmarked ratios compare rows of one run")
     return "\n".join(lines) + "\n\n"
 
 

@@ -10,11 +10,17 @@ import pytest
 import torch
 
 from cs336_systems.bench import cli
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, RESUME_FIELDS, Recorder, key_of, read_rows, run_metadata
 
 from .helpers import rows_of, run_cli
 
 FIELDS = dict(impl="naive", mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_len=8, d_head=4, is_causal=False)
+
+
+def this_code() -> dict:
+    """The fields `--resume` compares with the running code's (sources digest, torch, triton)."""
+    meta = run_metadata(torch.device("cpu"))
+    return {f: meta[f] for f in RESUME_FIELDS}
 
 
 def test_recorder_appends_each_row_immediately(tmp_path):
@@ -68,7 +74,7 @@ def test_non_object_lines_are_skipped_by_resume(tmp_path, capsys):
 
 def test_a_non_utf8_byte_costs_its_line_only(tmp_path, capsys):
     """One stray byte (a bad editor save, a disk error) skips that line with a warning, in resume and report."""
-    rows = [{"problem": "attention", **FIELDS, "seq_len": seq, "gpu": "cpu", "status": "ok", "ms": 1.0}
+    rows = [{"problem": "attention", **FIELDS, "seq_len": seq, "gpu": "cpu", "status": "ok", "ms": 1.0, **this_code()}
             for seq in (8, 16, 32)]
     lines = [json.dumps(r).encode() for r in rows]
     lines[1] = lines[1].replace(b'"ok"', b'"o\xffk"')
@@ -150,9 +156,19 @@ def test_a_second_run_into_the_same_file_waits_then_resumes(tmp_path, capsys):
 
 def test_resume_does_not_repeat_unsupported_rows(tmp_path):
     (tmp_path / "attention").mkdir()
-    unsupported = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "unsupported", "error": "no kernel"}
+    unsupported = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "unsupported", "error": "no kernel",
+                   **this_code()}
     (tmp_path / "attention" / "metrics.jsonl").write_text(json.dumps(unsupported) + "\n")
     assert Recorder(tmp_path, "attention", torch.device("cpu"), resume=True).is_done(FIELDS)
+
+
+@pytest.mark.parametrize("field", RESUME_FIELDS)
+def test_resume_measures_again_what_other_code_measured(tmp_path, field):
+    """A row of other sources (a changed kernel) or another torch or triton is not done for --resume."""
+    (tmp_path / "attention").mkdir()
+    row = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "ok", "ms": 1.0, **this_code(), field: "other"}
+    (tmp_path / "attention" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert not Recorder(tmp_path, "attention", torch.device("cpu"), resume=True).is_done(FIELDS)
 
 
 def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):

@@ -198,3 +198,31 @@ def test_plot_names_hold_no_colon():
 
     name = slug("model", 256, "flash_triton:gluon_everywhere", "bf16", " NVIDIA H100")
     assert ":" not in name and " " not in name and name == "model_256_flash_triton-gluon_everywhere_bf16_NVIDIAH100"
+
+
+def _flash_row(impl: str, ms: float | None = None, **extra) -> dict:
+    shape = dict(impl=impl, mode="fwd", dtype="bf16", batch=1, n_heads=1, seq_len=64, d_head=16, is_causal=True,
+                 rep_ms=100, warmup_ms=25)
+    return {**shape, **(timed(ms) if ms is not None else {}), **extra}
+
+
+def test_ratios_of_rows_from_two_runs_are_marked(tmp_path):
+    """A speedup of ours over a reference measured in another run carries †, one of the same run does not."""
+    write_rows(tmp_path, "flash", [_flash_row("naive", 0.9), _flash_row("flash_triton", 0.5)], run_id="r1")
+    write_rows(tmp_path, "flash", [_flash_row("naive", 0.9, seq_len=128)], run_id="r2")
+    write_rows(tmp_path, "flash", [_flash_row("flash_triton", 0.5, seq_len=128)], run_id="r3")
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
+    table = (tmp_path / "flash" / "table.md").read_text()
+    assert "| 16 | 64 | 0.9 | 0.5 | 1.80× |" in table
+    assert "| 16 | 128 | 0.9 | 0.5 | 1.80×† |" in table
+    assert "marked †" in table
+
+
+def test_a_newer_error_row_is_shown_over_an_older_ok_row(tmp_path):
+    """The report shows a key's last row whatever its status: a regression to an error is not hidden."""
+    write_rows(tmp_path, "flash", [_flash_row("flash_triton", 0.5)], run_id="r1", commit="old1111")
+    write_rows(tmp_path, "flash", [_flash_row("flash_triton", status="error: RuntimeError: broke")], run_id="r2",
+               commit="new2222")
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
+    table = (tmp_path / "flash" / "table.md").read_text()
+    assert "| 16 | 64 | error |" in table and "0.5" not in table.split("## Latency")[1]
