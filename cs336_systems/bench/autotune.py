@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,6 +73,25 @@ def check(args: argparse.Namespace) -> None:
 
     options.choices_check("--wide", args.wide or [], KERNELS)
     options.check_kernel_head_dims("--d", args.d)
+    if args.write_table is not None:
+        check_table_path(args.write_table, args.smoke)
+
+
+def check_table_path(path: Path, smoke: bool) -> None:
+    """--write-table's PATH, before any tuning: not with --smoke (its configs are the interpreter's), a file
+    that is a tuning table or none yet, in a folder that exists."""
+    if smoke:
+        raise ValueError("--write-table: a --smoke run tunes nothing a GPU table can hold; drop one of them")
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"--write-table {path}: {'a folder' if path.is_dir() else 'no such folder'}")
+    if path.exists():
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--write-table {path}: not a readable tuning table ({e})") from e
+        if not (isinstance(table, dict) and isinstance(table.get("measured"), list)
+                and isinstance(table.get("entries"), list)):
+            raise ValueError(f"--write-table {path}: not a tuning table (no 'measured' and 'entries' lists)")
 
 
 def wide_configs(name: str) -> list:
@@ -242,8 +262,11 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             row = rec.measure({**fields, "kernel": event["kernel"]}, lambda e=event: event_metrics(e))
             if row["status"] == "ok" and event["tuned"] and not wide:
                 entries.append(table_entry(event, torch_dtype(dtype_name), d, seq, args.causal, row))
-    if args.write_table is not None and not rec.smoke:
-        write_table(args.write_table, entries, rec.meta)
+    if args.write_table is not None:
+        if entries:
+            write_table(args.write_table, entries, rec.meta)
+        else:  # (nothing tuned in this run: shapes --resume skipped, --wide, failures; no provenance without entries)
+            print(f"autotune: no tuned configs in this run; {args.write_table} left as it was", file=sys.stderr)
     return 0
 
 
@@ -273,7 +296,9 @@ def write_table(path: Path, entries: list[dict[str, Any]], meta: Row) -> None:
     provenance = {f: meta.get(f) for f in ("gpu", "torch", "triton", "commit", "run_id")}
     table["measured"] = [*table["measured"], {**provenance, "date": time.strftime("%Y-%m-%d", time.gmtime())}]
     table["entries"] = sorted(merged.values(), key=lambda e: tuple(str(e[f]) for f in key))
-    path.write_text(table_text(table))
+    partial = path.with_name(path.name + ".partial")  # written whole, then renamed: a crash leaves the old table
+    partial.write_text(table_text(table))
+    partial.replace(path)
 
 
 def table_text(table: dict[str, Any]) -> str:

@@ -185,7 +185,9 @@ def measure_point(section: str, point: Point, names: list[str], modes: list[str]
 
     if all(rec.is_done(fields(name, mode)) for name in names for mode in modes):
         return []
-    order = [*(ref for ref in REFERENCES if ref in names), *(name for name in names if name not in REFERENCES)]
+    # (a name given twice is measured once: twice would double its rounds in one row)
+    order = list(dict.fromkeys([*(ref for ref in REFERENCES if ref in names),
+                                *(name for name in names if name not in REFERENCES)]))
     setup = impls.Setup(device, point.dtype, point.seq_len, backend, grouped=point.n_kv_heads < point.n_heads)
     built: dict[str, object] = {}
     checked: dict[str, dict[str, float]] = {}

@@ -264,6 +264,10 @@ def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: t
                                   width=report.FIGURE_WIDTH)
     for ax, mode in zip(axes, modes):
         bars = sorted((r for r in group if r["mode"] == mode and report.ok(r)), key=order)
+        ax.set_title({"fwd_bwd": "forward + backward (the harness)", "fwd": "forward only"}[mode], fontsize=10)
+        if not bars:  # (every row of the mode OOM or failed: no log axis over nothing)
+            ax.text(0.5, 0.5, "no completed measurements", ha="center", va="center", transform=ax.transAxes)
+            continue
         ys = list(range(len(bars)))
         ms = [r["ms"] for r in bars]
         err = [[r["ms"] - r.get("ms_p20", r["ms"]) for r in bars], [r.get("ms_p80", r["ms"]) - r["ms"] for r in bars]]
@@ -281,7 +285,6 @@ def _plot(group: list[Row], modes: list[str], out: Output, key: tuple, fields: t
         if ms:
             ax.set_xlim(min(ms) / 1.5, max(ms) * 2.5)
         ax.set_xlabel("ms (median, p20–p80; log scale; lower is better)")
-        ax.set_title({"fwd_bwd": "forward + backward (the harness)", "fwd": "forward only"}[mode], fontsize=10)
         legend = [Patch(color=report.impl_color(impls.SHIPPED), label="ours (shipped)"),
                   Patch(color="#9ecae1", label="earlier ablation steps")]
         legend += [Patch(facecolor=report.impl_color(x), hatch="//", edgecolor="white", label=report.impl_label(x))

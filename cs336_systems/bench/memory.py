@@ -20,6 +20,7 @@ Each row records
   timeline       memory/timelines/<config>.png: the active memory over the allocator's events drawn from
                  the snapshot (largest code locations as bands, forward / backward / optimizer shaded)
   snapshot       with --snapshots, memory/snapshots/<config>.pickle for https://pytorch.org/memory_viz
+                 (an earlier row's file of the same name is kept: the new one takes the run id before its suffix)
 Memory history exists for CUDA only: on the CPU (--smoke) every row is "unsupported".
 """
 
@@ -186,7 +187,7 @@ def _profile(args: argparse.Namespace, rec: Recorder, state: dict, size: str, ct
     timeline = replay(snapshot, index)
     name = report.slug(size, f"ctx{ctx}", mode, dtype)
     title = f"{size}, context {ctx}, {mode}, {dtype}: active memory over {args.steps} recorded step(s)"
-    png = draw_timeline(snapshot, rec.dir / "timelines" / f"{name}.png", title, phases, index)
+    png = draw_timeline(snapshot, rec.new_file(f"timelines/{name}.png"), title, phases, index)
     row = {
         "start_mem_mb": start / MIB, "peak_mem_mb": peak / MIB, "trace_peak_mb": timeline.peak / MIB,
         "largest": largest_allocations(timeline, args.top),
@@ -196,8 +197,7 @@ def _profile(args: argparse.Namespace, rec: Recorder, state: dict, size: str, ct
         "n_params": sum(p.numel() for p in model.parameters()),
     }
     if args.snapshots:
-        path = rec.dir / "snapshots" / f"{name}.pickle"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = rec.new_file(f"snapshots/{name}.pickle")
         with path.open("wb") as f:
             pickle.dump(snapshot, f)
         row["snapshot"] = path.relative_to(rec.dir).as_posix()

@@ -14,7 +14,8 @@ the range, on any thread (autograd's backward thread too). Per range a row recor
 step, their matmul share (`is_matmul`) and the top kernels (name, calls and ms per step, share); phases
 also their wall ms. On the CPU (--smoke) the same tables hold the ops' self CPU time (`kernel_time` says
 which). `--trace` profiles one more step and gzips its Chrome trace (Perfetto, chrome://tracing) into
-<out>/profile/traces/<size>_<context>_<mode>_<dtype>.json.gz.
+<out>/profile/traces/<size>_<context>_<mode>_<dtype>.json.gz (its row's `trace`; where an earlier row's file has
+that name, the run id goes before the suffix: no file a row points to is overwritten).
 """
 
 from __future__ import annotations
@@ -233,9 +234,11 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 for _ in range(args.warmup):
                     step(mode)
                 prof = profiled(lambda: step(mode), on_cuda, args.steps)
-                trace = f"traces/{size}_{ctx}_{mode}_{args.dtype}.json.gz" if args.trace else None
-                if trace:
-                    write_trace(profiled(lambda: step(mode), on_cuda, 1), rec.dir / trace)
+                trace = None
+                if args.trace:
+                    path = rec.new_file(f"traces/{size}_{ctx}_{mode}_{args.dtype}.json.gz")
+                    write_trace(profiled(lambda: step(mode), on_cuda, 1), path)
+                    trace = path.relative_to(rec.dir).as_posix()
             finally:  # drop grads even after an OOM, before the next mode
                 state["optimizer"].zero_grad(set_to_none=True)
             events = prof.events()

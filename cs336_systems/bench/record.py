@@ -269,6 +269,17 @@ class Recorder:
             self.done = {key_of(r) for r in rows if r.get("status") in DONE_STATUSES and self.same_code(r)}
         self.counts: dict[str, int] = {}
 
+    def new_file(self, relative: str) -> Path:
+        """A path under this problem's folder for a file a row points to (a trace, a timeline): `relative`, or, where
+        a file is there already (an earlier row's), the same name with this run's id before its suffixes. An
+        earlier row's file is never overwritten."""
+        path = self.dir / relative
+        if path.exists():
+            stem, dot, suffixes = path.name.partition(".")
+            path = path.with_name(f"{stem}-{self.run_id}{dot}{suffixes}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def same_code(self, row: Row) -> bool:
         """Whether `row` measured what this run measures: the same sources (`code_sha`) under the same torch and
         triton. `--resume` counts only such rows as done; a changed kernel is measured again."""

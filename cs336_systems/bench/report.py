@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -58,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
     """Render every problem found (or named). Exit code 2 when --out is not a folder or a table or plot
     cannot be written there (the other problems still render); else 1 when a problem named in --problems
-    has no valid rows or --out holds no metrics.jsonl."""
+    has no valid rows (or is no problem or folder), a problem's renderer fails on its rows (the others still
+    render), or --out holds no metrics.jsonl."""
     if not args.out.is_dir():
         print(f"report: --out {args.out}: {'not a folder' if args.out.exists() else 'no such folder'}",
               file=sys.stderr)
@@ -71,10 +73,15 @@ def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
     if not requested:
         print(f"report: no <problem>/metrics.jsonl under {args.out}", file=sys.stderr)
         return 1
-    missing, unwritable = [], False
+    missing, failed, unwritable = [], [], False
     for problem in requested:
         path = args.out / problem / "metrics.jsonl"
         module = problems.get(problem)
+        if module is None and not path.parent.is_dir():
+            print(f"report: no problem or folder named {problem!r} (problems: {', '.join(problems)})",
+                  file=sys.stderr)
+            missing.append(problem)
+            continue
         rows = valid_rows(read_rows(path), module, path)
         if not rows:
             print(f"report: no valid rows in {path}", file=sys.stderr)
@@ -87,13 +94,19 @@ def run(args: argparse.Namespace, problems: dict[str, ModuleType]) -> int:
             print(f"report: cannot write under {args.out / problem}: {e}", file=sys.stderr)
             unwritable = True
             continue
+        except Exception:  # one problem's rows that its renderer cannot take: the other problems still render
+            print(f"report: cannot render {path}:", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            failed.append(problem)
+            continue
         print(f"report: {table}" + "".join(f"\n        {p}" for p in plots))
     if unwritable:
         return 2
     if missing:
         print(f"report: nothing to render for {', '.join(missing)}", file=sys.stderr)
-        return 1
-    return 0
+    if failed:
+        print(f"report: could not render {', '.join(failed)} (the tracebacks above)", file=sys.stderr)
+    return 1 if missing or failed else 0
 
 
 def render_problem(problem: str, rows: list[Row], module: ModuleType | None, folder: Path) -> tuple[Path, list[Path]]:

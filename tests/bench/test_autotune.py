@@ -116,3 +116,25 @@ def test_autotune_write_table_merges_entries_and_loads_back(tmp_path):
     loaded = tuning.load_table(path)
     assert loaded[tuning.TableKey("kv", "sm90", 64, "16bit", True, 1024)] == tuning.TileConfig(64, 64, 4, 2)
     assert loaded[tuning.TableKey("kv", "sm90", 64, "16bit", True, 2048)] == tuning.TileConfig(32, 128, 4, 3)
+
+
+
+def test_autotune_write_table_with_smoke_is_a_usage_error(tmp_path, capsys):
+    """--write-table under --smoke (interpreter configs, nothing a GPU table can hold) is refused up front."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("autotune", "--smoke", "--write-table", str(tmp_path / "t.json"), "--out", str(tmp_path / "out"))
+    assert exit_info.value.code == 2 and "--smoke run tunes nothing" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "autotune" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("setup,words", [
+    (lambda p: p.write_text("{not json"), "not a readable tuning table"),
+    (lambda p: p.write_text('{"entries": 3}'), "not a tuning table"),
+    (lambda p: p.mkdir(), "a folder"),
+], ids=["not-json", "not-a-table", "folder"])
+def test_autotune_write_table_path_is_checked_before_any_tuning(tmp_path, setup, words):
+    path = tmp_path / "table.json"
+    setup(path)
+    with pytest.raises(ValueError, match=words):
+        autotune_bench.check_table_path(path, smoke=False)
+    autotune_bench.check_table_path(tmp_path / "new.json", smoke=False)  # a table not there yet is fine

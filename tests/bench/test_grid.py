@@ -177,3 +177,10 @@ def test_rounds_interleave_and_a_failed_measurement_is_its_row(tmp_path):
         if r["impl"] != "sdpa_cudnn":
             assert r["status"] == "ok" and len(r["ms_rounds"]) == 3
             assert r["ms"] == sorted(r["ms_rounds"])[1] and r["x_cudnn"] is None
+
+
+def test_grid_measures_a_name_given_twice_once(tmp_path):
+    assert run_cli("grid", "--smoke", "--sections", "grid", "--batch-seq", "2x32", "--causal", "--no-gqa",
+                   "--modes", "fwd", "--impls", "naive", "naive", "--out", str(tmp_path)) == 0
+    rows = [r for r in rows_of(tmp_path, "grid") if r["impl"] == "naive"]
+    assert len(rows) == 1 and len(rows[0]["ms_rounds"]) == rows[0]["rounds"], rows

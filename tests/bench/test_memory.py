@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from cs336_basics.optimizer import AdamW
 from cs336_systems.bench import cli, memory, options
 from cs336_systems.bench.memory_snapshot import BEFORE, MIB, draw_timeline, largest_allocations, replay, where
 from cs336_systems.bench.model import model_config
+from cs336_systems.bench.record import Recorder
 
 from .helpers import check_report, rows_of, run_cli, write_rows
 
@@ -171,13 +171,13 @@ def test_profile_with_the_cuda_calls_stubbed(monkeypatch, tmp_path, mode):
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", synthetic_snapshot)
     args = cli.build_parser().parse_args(["memory", "--smoke", "--snapshots", "--modes", mode, "--dtype", "fp32"])
     options.resolve_sized(args)
-    rec = SimpleNamespace(device=torch.device("cpu"), dir=tmp_path)
+    rec = Recorder(tmp_path, "memory", torch.device("cpu"))
     row = memory._profile(args, rec, {}, "smoke", 32, "fp32", mode)
     assert [h.get("enabled", "all") for h in history] == ["all", None]
     assert (row["start_mem_mb"], row["peak_mem_mb"], row["trace_peak_mb"]) == (10, 18, 18)
     assert row["largest"][0] == {"mb": 4.0, "where": "cs336_basics/model.py:77 forward", "count": 2}
-    assert (tmp_path / row["timeline"]).read_bytes().startswith(PNG_MAGIC)
-    assert pickle.loads((tmp_path / row["snapshot"]).read_bytes()) == synthetic_snapshot()
+    assert (rec.dir / row["timeline"]).read_bytes().startswith(PNG_MAGIC)
+    assert pickle.loads((rec.dir / row["snapshot"]).read_bytes()) == synthetic_snapshot()
 
 
 def test_render_tables_and_timeline_links(tmp_path):

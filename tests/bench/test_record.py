@@ -186,3 +186,16 @@ def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):
     assert package_digest(copy) == package_digest()
     (copy / "flash_triton.py").write_text((copy / "flash_triton.py").read_text() + "\n# changed\n")
     assert package_digest(copy) != package_digest()
+
+
+def test_files_rows_point_to_are_never_overwritten(tmp_path):
+    """A second run's trace or timeline of the same configuration gets its run id in its name."""
+    first = Recorder(tmp_path, "profile", torch.device("cpu"))
+    path = first.new_file("traces/small_512_step_fp32.json.gz")
+    assert path == tmp_path / "profile" / "traces" / "small_512_step_fp32.json.gz" and path.parent.is_dir()
+    path.write_bytes(b"first")
+    first.close()
+    second = Recorder(tmp_path, "profile", torch.device("cpu"))
+    again = second.new_file("traces/small_512_step_fp32.json.gz")
+    assert again.name == f"small_512_step_fp32-{second.run_id}.json.gz" and not again.exists()
+    assert path.read_bytes() == b"first"

@@ -226,3 +226,34 @@ def test_a_newer_error_row_is_shown_over_an_older_ok_row(tmp_path):
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "flash"]) == 0
     table = (tmp_path / "flash" / "table.md").read_text()
     assert "| 16 | 64 | error |" in table and "0.5" not in table.split("## Latency")[1]
+
+
+def test_a_problem_that_fails_to_render_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
+    """A renderer that raises on its rows costs that problem only: the others render, the exit code is 1."""
+    from cs336_systems.bench import leaderboard
+
+    write_rows(tmp_path, "flash", [_flash_row("flash_triton", 0.5)])
+    write_rows(tmp_path, "overhead", [overhead_row(0.2)])
+    monkeypatch.setattr(leaderboard, "render", lambda rows, out: 1 / 0)
+    oom = dict(impl="flash_triton", variant="v", mode="fwd_bwd", dtype="bf16", batch=1, n_heads=16, seq_len=16384,
+               d_head=64, is_causal=True, rep_ms=10000, warmup_ms=1000, status="oom")
+    write_rows(tmp_path, "leaderboard", [oom])
+    assert cli.main(["report", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot render" in err and "ZeroDivisionError" in err and "could not render leaderboard" in err
+    assert (tmp_path / "flash" / "table.md").exists() and (tmp_path / "overhead" / "table.md").exists()
+
+
+def test_a_leaderboard_mode_without_completed_rows_renders(tmp_path):
+    """Every row of one mode OOM: its panel says so instead of failing on a log axis over nothing."""
+    base = dict(impl="flash_triton", variant="v", dtype="bf16", batch=1, n_heads=16, seq_len=16384, d_head=64,
+                is_causal=True, rep_ms=10000, warmup_ms=1000)
+    write_rows(tmp_path, "leaderboard", [{**base, "mode": "fwd", **timed(1.0)}, {**base, "mode": "fwd_bwd",
+                                                                                 "status": "oom"}])
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "leaderboard"]) == 0
+
+
+def test_an_unknown_problem_name_says_so(tmp_path, capsys):
+    write_rows(tmp_path, "flash", [_flash_row("flash_triton", 0.5)])
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "flsh"]) == 1
+    assert "no problem or folder named 'flsh'" in capsys.readouterr().err
