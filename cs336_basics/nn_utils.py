@@ -18,7 +18,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def clip_gradient(parameters: Iterable[torch.nn.Parameter], max_l2_norm: float, eps: float = 1e-6) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most `max_l2_norm`; returns the pre-clip norm."""
-    if max_l2_norm <= 0:
+    if not max_l2_norm > 0:  # (NaN fails too)
         raise ValueError(f"max_l2_norm must be positive, got {max_l2_norm}")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:

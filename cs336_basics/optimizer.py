@@ -20,13 +20,14 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
     ) -> None:
-        if lr < 0:
+        # (written `not x >= 0`, so that NaN fails too)
+        if not lr >= 0:
             raise ValueError(f"invalid learning rate {lr}: must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
-        if eps < 0:
+        if not eps >= 0:
             raise ValueError(f"invalid eps {eps}: must be >= 0")
-        if weight_decay < 0:
+        if not weight_decay >= 0:
             raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
@@ -48,9 +49,14 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                # a state loaded from torch.optim.AdamW holds `step` as a float32 tensor: counted here as a Python
+                # number, so that beta**t is computed in double precision as for a fresh state
+                state["step"] = int(state["step"]) + 1
                 t = state["step"]
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if torch.is_complex(p):  # Adam per real component, as torch.optim.AdamW (|g|², not g²)
+                    p, grad = torch.view_as_real(p), torch.view_as_real(grad)
+                    exp_avg, exp_avg_sq = torch.view_as_real(exp_avg), torch.view_as_real(exp_avg_sq)
 
                 p.mul_(1 - lr * wd)
                 exp_avg.lerp_(grad, 1 - beta1)  # m = b1 m + (1 - b1) g

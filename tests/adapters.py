@@ -31,8 +31,9 @@ def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, opti
     ddp_model.finish_gradient_synchronization()
 
 
-def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn.Module:
-    """DDP that all-reduces gradients in buckets of at most `bucket_size_mb` MiB, overlapping backward."""
+def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float | None) -> torch.nn.Module:
+    """DDP that all-reduces gradients in buckets of at most `bucket_size_mb` MiB (None: no limit), overlapping
+    backward."""
     from cs336_systems.distributed.ddp import DDPBucketed
 
     return DDPBucketed(module, bucket_size_mb)

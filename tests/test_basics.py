@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -169,11 +170,35 @@ def test_adamw_matches_torch(weight_decay: float, betas: tuple[float, float]) ->
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"lr": -1.0}, {"betas": (1.0, 0.999)}, {"betas": (0.9, -0.1)}, {"eps": -1e-8}, {"weight_decay": -1}]
+    "kwargs", [{"lr": -1.0}, {"betas": (1.0, 0.999)}, {"betas": (0.9, -0.1)}, {"eps": -1e-8}, {"weight_decay": -1},
+               {"lr": math.nan}, {"eps": math.nan}, {"weight_decay": math.nan}, {"betas": (math.nan, 0.9)}]
 )
 def test_adamw_rejects_bad_hyperparameters(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         AdamW([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+def test_adamw_complex_parameters_and_a_torch_state_match_torch() -> None:
+    """Complex parameters step per real component (|g|², as torch); a state loaded from torch.optim.AdamW (its
+    `step` a float32 tensor) continues exactly as torch's own."""
+    torch.manual_seed(3)
+    start = torch.randn(4, dtype=torch.complex128)
+    ours, theirs = (torch.nn.Parameter(start.clone()) for _ in range(2))
+    opt_ours, opt_theirs = AdamW([ours], lr=0.1), torch.optim.AdamW([theirs], lr=0.1)
+    for step in range(6):
+        if step == 3:  # hand torch's state to ours half way
+            opt_ours.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))  # (a loaded state shares tensors)
+            ours.data.copy_(theirs.data)
+        for p, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            (p * torch.tensor(1.5 - 2j)).abs().square().sum().backward()
+            opt.step()
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), max_err(ours, theirs)
+
+
+def test_clip_gradient_rejects_nan() -> None:
+    with pytest.raises(ValueError, match="max_l2_norm"):
+        clip_gradient([torch.nn.Parameter(torch.zeros(1))], math.nan)
 
 
 # ---------------------------------------------------------------- layers

@@ -389,10 +389,16 @@ def test_bucket_size_must_be_positive(bad):
         DDPBucketed(nn.Linear(2, 2), bad)
 
 
-@pytest.mark.parametrize("bad", ["10", None, True])
+@pytest.mark.parametrize("bad", ["10", True])
 def test_bucket_size_must_be_a_number(bad):
     with pytest.raises(TypeError, match="bucket_size_mb"):
         DDPBucketed(nn.Linear(2, 2), bad)
+
+
+def test_bucket_size_none_means_no_limit(single_rank_group):
+    """The course's adapter documents None as one unbounded bucket (per dtype)."""
+    ddp = adapters.get_ddp_bucketed(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), bucket_size_mb=None)
+    assert len(ddp.buckets) == 1 and len(ddp.buckets[0].params) == 4
 
 
 @pytest.mark.parametrize("make", WRAPPERS)

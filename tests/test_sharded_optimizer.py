@@ -213,6 +213,23 @@ def test_bad_parameters(single_rank_group):
         optimizer.load_state_dict(other_shard)
 
 
+def test_groups_show_the_wrapped_optimizers_defaults(single_rank_group):
+    """Every group holds all the wrapped optimizer's hyper-parameters, as a plain optimizer's groups do: a schedule
+    that reads one (OneCycleLR: betas) works; a parameter twice in a group is refused (a plain optimizer steps it
+    twice, a shard would once); a generator of parameters in a group is read once, whole."""
+    layer = nn.Linear(2, 2)
+    sharded = ShardedOptimizer([{"params": layer.parameters()}], torch.optim.AdamW, lr=1e-2)
+    plain_groups = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-2).param_groups
+    assert set(sharded.param_groups[0]) == set(plain_groups[0]) and len(sharded.param_groups[0]["params"]) == 2
+    torch.optim.lr_scheduler.OneCycleLR(sharded, max_lr=0.1, total_steps=10)
+    with pytest.raises(ValueError, match="appears twice"):
+        ShardedOptimizer([layer.weight, layer.weight], torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # checked on a rank that may own nothing
+        ShardedOptimizer(layer.parameters(), torch.optim.AdamW, lr=-1.0)
+    with pytest.raises(TypeError, match="not one tensor"):
+        ShardedOptimizer(layer.weight, torch.optim.AdamW, lr=1e-2)
+
+
 def test_loads_a_plain_optimizer_state_dict(single_rank_group):
     """A checkpoint of unsharded training resumes under the sharded optimizer: state and lr come back."""
     torch.manual_seed(0)

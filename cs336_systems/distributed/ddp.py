@@ -295,13 +295,16 @@ class DDPBucketed(DataParallelBase):
     `DDPIndividualParameters` for it.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float, broadcast_buffers: bool = True) -> None:
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real):
-            raise TypeError(f"bucket_size_mb must be a number, got {type(bucket_size_mb).__name__}")
-        if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
-            raise ValueError(f"bucket_size_mb must be a positive finite number of MiB, got {bucket_size_mb}")
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None, broadcast_buffers: bool = True) -> None:
+        """`bucket_size_mb`: MiB per bucket at most; None: no limit (one bucket per dtype), as the course's adapter
+        documents it."""
+        if bucket_size_mb is not None:
+            if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real):
+                raise TypeError(f"bucket_size_mb must be a number or None, got {type(bucket_size_mb).__name__}")
+            if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+                raise ValueError(f"bucket_size_mb must be a positive finite number of MiB, got {bucket_size_mb}")
         super().__init__(module, broadcast_buffers)
-        self.bucket_size_mb = float(bucket_size_mb)
+        self.bucket_size_mb = math.inf if bucket_size_mb is None else float(bucket_size_mb)
         self._build_buckets()
         self._register_gradient_hooks()
 

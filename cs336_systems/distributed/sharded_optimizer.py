@@ -51,18 +51,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard_numel = [0] * self.world_size
         self.local_optimizer: torch.optim.Optimizer | None = None
         self._local_group_of: list[int | None] = []  # global group index -> local group index
-        # Calls self.add_param_group() for every group; kwargs become the groups' defaults.
-        super().__init__(params, kwargs)
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors or of parameter-group dicts, not one tensor")
+        # (groups' parameter iterables made lists: `_defaults` reads them, and a generator reads once)
+        params = [{**entry, "params": _tensor_list(entry["params"])} if isinstance(entry, dict) and "params" in entry
+                  else entry for entry in params]
+        # Calls self.add_param_group() for every group; the wrapped optimizer's defaults (with kwargs) become the
+        # groups' defaults, so that every group shows all its hyper-parameters (a scheduler reads `betas`, say).
+        super().__init__(params, _defaults(optimizer_cls, params, kwargs))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Register a group (at construction or later, e.g. to unfreeze layers) and assign its parameters."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group.get("params")
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        params = _tensor_list(param_group.get("params") or [])
         not_tensors = sorted({type(p).__name__ for p in params if not isinstance(p, torch.Tensor)})
         if not_tensors:
             raise TypeError(f"{type(self).__name__} optimizes tensors; the parameter group holds {not_tensors}")
+        if len({id(p) for p in params}) != len(params):  # a plain optimizer would step it twice, a shard once
+            raise ValueError(f"{type(self).__name__}: a parameter appears twice in one parameter group")
         check_tensor_devices(params, type(self).__name__)
         # The base class validates (leaf tensors, no parameter in two groups) and fills defaults.
         super().add_param_group({**param_group, "params": params})
@@ -179,6 +186,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     local_state[i] = state_dict["state"][number[id(p)]]
             start += len(local["params"])
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def _defaults(optimizer_cls: type[torch.optim.Optimizer], params: list, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer_cls(..., **kwargs).defaults`: read off one built over a stand-in tensor on the first parameter's
+    device (its hyper-parameters checked here, on every rank, also one that owns nothing)."""
+    tensors = [p for entry in params for p in (entry.get("params", ()) if isinstance(entry, dict) else (entry,))]
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return dict(optimizer_cls([torch.zeros(1, device=device, requires_grad=True)], **kwargs).defaults)
+
+
+def _tensor_list(params: Any) -> list:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
