@@ -21,6 +21,10 @@ def check_flag(name: str, value: object) -> bool:
     return bool(value)
 
 
+# Scales whose scale·log2(e) is a normal float32 (the kernels' exponent base 2): beyond them inf, NaN or 0
+SCALE_RANGE = (2.0**-126 / math.log2(math.e), (2 - 2.0**-23) * 2.0**127 / math.log2(math.e))
+
+
 def check_scale(scale: object, d: int) -> float:
     """The softmax scale: None means 1/sqrt(d); otherwise a positive finite number."""
     if scale is None:
@@ -30,15 +34,20 @@ def check_scale(scale: object, d: int) -> float:
     scale = float(scale)
     if not 0 < scale < math.inf:  # comparisons, not math.isfinite: torch.compile traces them on a symbolic float
         raise ValueError(f"scale must be positive and finite, got {scale}")
+    if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
+        raise ValueError(f"scale {scale} is outside [{SCALE_RANGE[0]:.3g}, {SCALE_RANGE[1]:.3g}]: the kernels take "
+                         "scale·log2(e) as a normal float32")
     return scale
 
 
 def check_window(window: object) -> tuple[int, int]:
-    """A sliding window (left, right): two ints, each -1 (unbounded) or more; returned as a tuple of ints."""
+    """A sliding window (left, right): two ints, each -1 (unbounded) or more; returned as a tuple of ints. Under
+    torch.compile a window's ints may be symbolic (a second call with another window): they are specialized here,
+    one graph per window, as the kernels specialize on it."""
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a (left, right) tuple of two ints, got {window!r}")
     for name, side in zip(("left", "right"), window):
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer, torch.SymInt)):
             raise TypeError(f"window {name} must be an int, got {type(side).__name__}")
         if side < -1:
             raise ValueError(f"window {name} must be -1 (unbounded) or at least 0, got {side}")

@@ -70,3 +70,26 @@ def test_head_counts_differing_without_gqa_are_named(kv_heads, hint):
 def test_dim_minus_3_of_3d_inputs_is_named_as_heads_or_batch():
     with pytest.raises(ValueError, match=r"head counts \(or, for \(batch, seq, d\) inputs, batch sizes\)"):
         check_attention_inputs(_t(4, 8, 16), _t(2, 8, 16), _t(2, 8, 16), False)
+
+
+@pytest.mark.parametrize("scale", [3e38, 1e39, 1e-40, 1e-39])
+def test_scales_beyond_float32s_range_are_refused(scale):
+    """scale·log2(e) must be a normal float32 (the kernels' exponent): beyond it came NaN or an opaque failure."""
+    from cs336_systems.validation import check_scale
+
+    with pytest.raises(ValueError, match="normal float32"):
+        check_scale(scale, 64)
+    assert check_scale(1e30, 64) == 1e30 and check_scale(1e-30, 64) == 1e-30
+
+
+def test_a_window_of_symbolic_ints_compiles_one_graph_per_window():
+    """torch.compile(fullgraph=True) of calls with two windows (the second makes the window's ints symbolic): both
+    compile and equal eager."""
+    from cs336_systems import flash_attention
+
+    q, k, v = (torch.randn(1, 2, 13, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, w: flash_attention(q, k, v, is_causal=True, window=w),
+                             backend="aot_eager", fullgraph=True)
+    for window in ((3, 0), (5, 0), (2, 1)):
+        assert torch.equal(compiled(q, k, v, window), flash_attention(q, k, v, is_causal=True, window=window))

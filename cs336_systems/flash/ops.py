@@ -313,7 +313,8 @@ def _autocast_device(t: object) -> str | None:
 
 
 def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, opts: KernelOptions):
-    if window is not NO_WINDOW:
+    # (traced, the window is always checked: dynamo cannot take `is` between tuples once their ints are symbolic)
+    if torch.compiler.is_compiling() or window is not NO_WINDOW:
         window = check_window(window)
     if torch._C._is_any_autocast_enabled() and (device := _autocast_device(Q)):
         # as SDPA under autocast: q, k, v in the autocast dtype, the attention itself computed without autocast
@@ -557,7 +558,7 @@ def flash_attention_varlen(
     torch.compile(fullgraph=True) takes the call whole (opaque custom ops `cs336::flash_attn_varlen_fwd`/`_bwd`).
     """
     is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
-    window = check_window(window) if window is not NO_WINDOW else window
+    window = check_window(window) if torch.compiler.is_compiling() or window is not NO_WINDOW else window
     scale = check_scale(scale, q.shape[-1])
     deterministic = deterministic_flag(deterministic)
     check_head_dim(q.shape[-1])
