@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -186,15 +187,20 @@ def git_commit() -> str:
     return f"{head}-dirty" if dirty else head
 
 
-def package_digest(root: Path | None = None) -> str:
-    """sha256 (12 hex digits) of the cs336_systems sources that are running (`root`: that package's
-    directory): which code a row measured, whatever `commit` says. A commit label set through the
-    environment, or a second copy of the package put on PYTHONPATH for a before/after run, can name
-    another tree than the one imported (`python -m` puts the working directory first on sys.path)."""
-    root = root or Path(__file__).resolve().parents[1]
+def package_digest(*roots: Path) -> str:
+    """sha256 (12 hex digits) of the sources that are running: cs336_systems and cs336_basics (the model, the
+    naive attention and AdamW that several problems time), or the package directories `roots`. Which code a row
+    measured, whatever `commit` says: a commit label set through the environment, or a second copy of the package
+    put on PYTHONPATH for a before/after run, can name another tree than the one imported (`python -m` puts the
+    working directory first on sys.path). cs336_basics is found, not imported (this module stays light)."""
+    if not roots:
+        basics = importlib.util.find_spec("cs336_basics")
+        roots = (Path(__file__).resolve().parents[1],
+                 *((Path(basics.origin).parent,) if basics is not None and basics.origin else ()))
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{root.name}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 

@@ -172,20 +172,24 @@ def test_resume_measures_again_what_other_code_measured(tmp_path, field):
 
 
 def test_rows_carry_the_digest_of_the_code_that_ran(tmp_path):
-    """`code_sha` hashes the imported package's sources: a second copy of the package (as a before/after
-    run puts on PYTHONPATH) has the same digest only when its sources are the same."""
+    """`code_sha` hashes the imported packages' sources (cs336_systems and cs336_basics): a second copy (as a
+    before/after run puts on PYTHONPATH) has the same digest only when its sources are the same, and a change to
+    either package changes it."""
     import shutil
 
+    import cs336_basics
     import cs336_systems
     from cs336_systems.bench.record import package_digest, run_metadata
 
-    package = Path(cs336_systems.__file__).parent
-    assert run_metadata(None)["code_sha"] == package_digest() == package_digest(package)
-    copy = tmp_path / "cs336_systems"
-    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    assert package_digest(copy) == package_digest()
-    (copy / "flash_triton.py").write_text((copy / "flash_triton.py").read_text() + "\n# changed\n")
-    assert package_digest(copy) != package_digest()
+    systems, basics = (Path(m.__file__).parent for m in (cs336_systems, cs336_basics))
+    assert run_metadata(None)["code_sha"] == package_digest() == package_digest(systems, basics)
+    copies = []
+    for package in (systems, basics):
+        copies.append(tmp_path / package.name)
+        shutil.copytree(package, copies[-1], ignore=shutil.ignore_patterns("__pycache__"))
+    assert package_digest(*copies) == package_digest()
+    (copies[1] / "model.py").write_text((copies[1] / "model.py").read_text() + "\n# changed\n")
+    assert package_digest(*copies) != package_digest()
 
 
 def test_files_rows_point_to_are_never_overwritten(tmp_path):
