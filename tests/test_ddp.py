@@ -302,15 +302,18 @@ def branch_batches() -> list[torch.Tensor]:
     return [torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=torch.float64) for _ in range(STEPS)]
 
 
+BRANCH_VARIANTS = [("naive", None), ("flat", None), ("bucketed", 1e-6), ("bucketed", 100.0)]
+
+
 def bucketed_edges_worker(ctx) -> dict:
-    """DDPBucketed where ranks differ in which parameters get gradients (`b` on rank 0 only), and after the module
-    is cast to float64 behind the wrapper's back (wrapped in float32)."""
+    """The wrappers where ranks differ in which parameters get gradients (`b` on rank 0 only); DDPBucketed after the
+    module is cast to float64 behind the wrapper's back (wrapped in float32)."""
     per_rank = GLOBAL_BATCH // ctx.world_size
     results = {}
-    for bucket_mb in (1e-6, 100.0):
+    for variant in BRANCH_VARIANTS:
         torch.manual_seed(100 + ctx.rank)
         model = BranchModel().double()
-        ddp = DDPBucketed(model, bucket_mb)
+        ddp = wrap(*variant, model)
         optimizer = SGDMomentum(ddp.parameters())
         for x in branch_batches():
             ddp.on_train_batch_start()
@@ -318,7 +321,7 @@ def bucketed_edges_worker(ctx) -> dict:
             ddp(x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], use_b=ctx.rank == 0).square().mean().backward()
             ddp.finish_gradient_synchronization()
             optimizer.step()
-        results[("branch", bucket_mb)] = {k: v.clone() for k, v in model.state_dict().items()}
+        results[("branch", *variant)] = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(100 + ctx.rank)
     model = BranchModel()  # float32 when wrapped
     ddp = DDPBucketed(model, 100.0)
@@ -335,8 +338,8 @@ def bucketed_edges() -> list[dict]:
     return launch(bucketed_edges_worker, WORLD_SIZE, backend="gloo", timeout_s=180, num_threads=1)
 
 
-@pytest.mark.parametrize("bucket_mb", [1e-6, 100.0], ids=["bucket-per-param", "one-bucket"])
-def test_bucketed_parameter_used_on_some_ranks_only(bucketed_edges, bucket_mb):
+@pytest.mark.parametrize("variant", BRANCH_VARIANTS, ids=variant_id)
+def test_parameter_used_on_some_ranks_only(bucketed_edges, variant):
     """A parameter with a gradient on rank 0 only gets the average (rank 1 contributing zeros) on every rank: the
     replicas stay identical and equal one process training on the mean of the two ranks' losses."""
     torch.manual_seed(100)
@@ -348,7 +351,7 @@ def test_bucketed_parameter_used_on_some_ranks_only(bucketed_edges, bucket_mb):
         ((model(x[:half], True).square().mean() + model(x[half:], False).square().mean()) / 2).backward()
         optimizer.step()
     for rank, results in enumerate(bucketed_edges):
-        for name, value in results[("branch", bucket_mb)].items():
+        for name, value in results[("branch", *variant)].items():
             torch.testing.assert_close(value, model.state_dict()[name], **TOL, msg=f"rank {rank} {name}")
 
 

@@ -28,12 +28,13 @@ autograd's C++ structures, where a strong reference back to the wrapper would fo
 garbage collector cannot see, and every dropped wrapper (with its module, gradients and buckets)
 would stay in memory. A dropped wrapper's hooks do nothing; `remove_hooks()` detaches them.
 
-Assumption shared with PyTorch's DDP (without `find_unused_parameters`) by `NaiveDDP`, `FlatDDP` and
-`DDPIndividualParameters`: every rank runs the same graph, so the same parameters get gradients in the same order.
-A parameter that gets no gradient in a step keeps `grad=None`. `DDPBucketed` needs less (as PyTorch's DDP with
-`find_unused_parameters`): it launches its buckets in one order on every rank, reduces a missing gradient as zeros
-(a bucket that never filled during backward inside `finish_gradient_synchronization()`), and a parameter that got a
-gradient on some ranks only ends with the average on every rank; one that got none anywhere keeps `grad=None`.
+A parameter that got a gradient on some ranks only ends with the average on every rank (the others contributing
+zeros), as under PyTorch's DDP with `find_unused_parameters`; one that got none anywhere keeps `grad=None`.
+`NaiveDDP` and `FlatDDP` all-reduce a flag per parameter first to agree on which; `DDPBucketed` launches its buckets
+in one order on every rank with the flags inside them, a missing gradient reduced as zeros (a bucket that never
+filled during backward inside `finish_gradient_synchronization()`). `DDPIndividualParameters` assumes, as
+PyTorch's DDP without `find_unused_parameters` does, that every rank runs the same graph: the same parameters get
+gradients in the same order.
 The price of the one order: a parameter that gets no gradient holds back the buckets after it until
 `finish_gradient_synchronization()` (no overlap for them in that step).
 """
@@ -145,15 +146,31 @@ class DataParallelBase(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         raise NotImplementedError
 
+    @torch.no_grad()
+    def _gradients_anywhere(self) -> list[torch.Tensor]:
+        """The gradients to average, the same list on every rank: those of the parameters that got one on any rank
+        (one all-reduce of a flag per parameter), zeros allocated where this rank got none."""
+        if not self.params:
+            return []
+        device = self.params[0].device
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        grads = []
+        for p, count in zip(self.params, flags.tolist()):
+            if count and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if count:
+                grads.append(p.grad)
+        return grads
+
 
 class NaiveDDP(DataParallelBase):
     """After backward: a blocking all-reduce per parameter gradient, then division by the world size."""
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                _average(p.grad, self.world_size)
+        for grad in self._gradients_anywhere():
+            _average(grad, self.world_size)
 
 
 def _average(grad: torch.Tensor, world_size: int) -> None:
@@ -172,13 +189,11 @@ class FlatDDP(DataParallelBase):
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                _average(p.grad, self.world_size)
+        for grad in self._gradients_anywhere():
+            if grad.is_sparse:
+                _average(grad, self.world_size)
             else:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+                by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
