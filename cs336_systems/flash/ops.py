@@ -43,11 +43,12 @@ from cs336_systems.validation import check_attention_inputs, check_flag, check_s
 # on-disk caches key on a graph's op names, not on our code: a graph cached against the old outputs would fail
 # Inductor's stride asserts after an upgrade. tests/test_op_edges.py holds each revision's outputs.
 OP_REVISION = 1
+_OVERLOAD = f"r{OP_REVISION}"
 
 
 def _op_name(name: str) -> str:
     """`cs336::name.rN`, the op's qualified name at this revision."""
-    return f"cs336::{name}.r{OP_REVISION}"
+    return f"cs336::{name}.{_OVERLOAD}"
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -224,7 +225,7 @@ _autocast_library = torch.library.Library("cs336", "FRAGMENT")
 def _register_autocast(name: str, cast: int) -> None:
     """Op `cs336::name` under autocast as SDPA is: its first `cast` arguments in the autocast dtype (the one in
     effect, not a fixed one as `torch.library.register_autocast` casts to), the op computed without autocast."""
-    op = getattr(getattr(torch.ops.cs336, name), f"r{OP_REVISION}")
+    op = getattr(getattr(torch.ops.cs336, name), _OVERLOAD)
     for device, key in _AUTOCAST_DEVICES.items():
         def kernel(_keyset, *args, device=device):
             dtype = torch.get_autocast_dtype(device)
@@ -232,7 +233,7 @@ def _register_autocast(name: str, cast: int) -> None:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
                 return op(*args)
 
-        _autocast_library.impl(f"{name}.r{OP_REVISION}", kernel, key, with_keyset=True)
+        _autocast_library.impl(f"{name}.{_OVERLOAD}", kernel, key, with_keyset=True)
 
 
 # The launchers as the variants call them: a graph break under torch.compile once dynamo is loaded (before, nothing
