@@ -259,3 +259,21 @@ def test_single_rank_owns_everything(single_rank_group):
     assert len(optimizer.owned_parameters()) == 5
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, expected.state_dict()[name], **TOL)
+
+
+def test_takes_named_parameters(single_rank_group):
+    """`model.named_parameters()`, as torch.optim optimizers take it: the same steps as plain parameters."""
+    torch.manual_seed(0)
+    models = [nn.Linear(3, 2).double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [ShardedOptimizer(models[0].named_parameters(), torch.optim.AdamW, lr=1e-2),
+                  ShardedOptimizer(models[1].parameters(), torch.optim.AdamW, lr=1e-2)]
+    assert optimizers[0].param_groups[0]["param_names"] == ["weight", "bias"]
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)

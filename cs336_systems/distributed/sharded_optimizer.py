@@ -65,6 +65,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         params = _tensor_list(param_group.get("params") or [])
+        names = None
+        if params and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+            names, params = [n for n, _ in params], [p for _, p in params]  # named_parameters(), as torch.optim takes
+            param_group = {**param_group, "param_names": names}
         not_tensors = sorted({type(p).__name__ for p in params if not isinstance(p, torch.Tensor)})
         if not_tensors:
             raise TypeError(f"{type(self).__name__} optimizes tensors; the parameter group holds {not_tensors}")
@@ -75,17 +79,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
         group = self.param_groups[-1]
         owned = []
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             rank = min(range(self.world_size), key=lambda r: (self.shard_numel[r], r))
             self.owner[id(p)] = rank
             self.shard_numel[rank] += p.numel()
             if rank == self.rank:
-                owned.append(p)
+                owned.append(i)
         if not owned:
             self._local_group_of.append(None)
             return
         local_group = _hyperparameters(group)
-        local_group["params"] = owned
+        local_group["params"] = [group["params"][i] for i in owned]
+        if names is not None:
+            local_group["param_names"] = [names[i] for i in owned]
         if self.local_optimizer is None:
             self.local_optimizer = self.optimizer_cls([local_group], **self.optimizer_kwargs)
         else:
