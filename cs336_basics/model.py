@@ -9,6 +9,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
 VOCAB_SIZE = 10_000
 BATCH_SIZE = 4
 CONTEXT_LENGTH = 1024
@@ -242,13 +244,21 @@ class PackedDocuments:
 
     @classmethod
     def from_offsets(cls, cu_seqlens: torch.Tensor) -> PackedDocuments:
-        """From offsets (reads them on the host once: max_seqlen)."""
+        """From offsets: integers, 1-D, 0 first, non-decreasing (read on the host once, which max_seqlen needs)."""
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"cu_seqlens must be a tensor of integers, got "
+                            f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be 1-D with at least one offset, got shape {tuple(cu_seqlens.shape)}")
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {values[:8]}"
+                             f"{' ...' if len(values) > 8 else ''}")
         cu_seqlens = cu_seqlens.to(torch.int32)
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        total = int(cu_seqlens[-1])
-        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
-        positions = torch.arange(total, device=cu_seqlens.device) - starts
-        return cls(cu_seqlens, int(lengths.max()) if lengths.numel() else 0, positions)
+        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=values[-1])
+        positions = torch.arange(values[-1], device=cu_seqlens.device) - starts
+        return cls(cu_seqlens, max((b - a for a, b in zip(values, values[1:])), default=0), positions)
 
     @classmethod
     def from_eos(cls, in_indices: torch.Tensor, eos_token_id: int) -> PackedDocuments:

@@ -487,6 +487,35 @@ def test_lm_packed_attention_gets_contiguous_packed_tensors(monkeypatch):
     assert seen == [(torch.Size([24, 2, 16]), True, True, True)] * 2
 
 
+@pytest.mark.parametrize("offsets,error,words", [
+    (torch.tensor([0.0, 7.9, 16.0]), TypeError, "integers"),
+    (torch.tensor([1, 7, 16]), ValueError, "start at 0"),
+    (torch.tensor([0, 9, 7, 16]), ValueError, "not decrease"),
+    (torch.tensor([[0, 16]]), ValueError, "1-D"),
+], ids=["float", "start", "decreasing", "2d"])
+def test_lm_bad_offsets_are_named(offsets, error, words):
+    """Offsets the model cannot pack by are refused naming the problem (not truncated, not an allocator error)."""
+    from cs336_basics.model import PackedDocuments
+
+    with pytest.raises(error, match=words):
+        PackedDocuments.from_offsets(offsets)
+
+
+def test_bench_attention_swap_refuses_packed_documents():
+    """The benchmark's swapped attention (an impls callable in the model's place) takes only the causal mask: a
+    packed forward through it raises instead of attending across documents."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.bench.impls import Setup, build
+    from cs336_systems.bench.model import attention_function, model_attention
+
+    model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    tokens = torch.randint(0, 50, (2, 12))
+    with attention_function(model_attention(build("sdpa", Setup(torch.device("cpu"), "fp32", 12)))):
+        model(tokens)  # the causal path takes it
+        with pytest.raises(ValueError, match="packed documents"):
+            model(tokens, cu_seqlens=cu_seqlens([5, 7, 12], "cpu"))
+
+
 def test_lm_eos_token_marks_documents():
     """eos_token_id: a document ends after each eos token and at each row's end; RoPE positions restart."""
     from cs336_basics.model import PackedDocuments

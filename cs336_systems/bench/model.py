@@ -70,7 +70,12 @@ def model_attention(attn):
     """`attn` (an impls registry callable) as the model's `scaled_dot_product_attention(Q, K, V, mask)`."""
 
     def swapped(Q, K, V, mask=None):
-        return attn(Q, K, V, mask is not None)  # the model only ever passes its causal mask
+        # the model's causal mask comes with (batch, heads, seq, d) inputs; packed documents' block-diagonal mask
+        # (with (heads, tokens, d) inputs) is not causal attention, and attn cannot take it
+        if mask is not None and Q.dim() != 4:
+            raise ValueError("a benchmark's swapped attention takes the model's causal mask only, not the "
+                             "block-diagonal mask of packed documents")
+        return attn(Q, K, V, mask is not None)
 
     return swapped
 
