@@ -97,7 +97,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization over the last dim, computed in float32 and cast back."""
+    """RMS normalization over the last dim, computed in float32 (float64 for float64 inputs) and cast back."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
@@ -105,10 +105,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        x = x.float()  # (..., d_model)
+        in_dtype, dtype = x.dtype, torch.promote_types(x.dtype, torch.float32)
+        x = x.to(dtype)  # (..., d_model)
         rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
-        return (x / rms * self.weight.float()).to(in_dtype)
+        return (x / rms * self.weight.to(dtype)).to(in_dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -228,6 +228,13 @@ def test_rmsnorm_normalizes_and_keeps_dtype(dtype: torch.dtype) -> None:
     assert torch.allclose(rms, torch.ones_like(rms), atol=1e-2), f"output RMS off from 1 by {max_err(rms, 1.0):.3e}"
 
 
+def test_rmsnorm_keeps_float64_precision() -> None:
+    """A float64 model's RMSNorm is float64-accurate (a float64 cross-check has no float32 floor)."""
+    x = torch.randn(3, 5, 64, dtype=torch.float64) * 7
+    exact = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert max_err(RMSNorm(64, dtype=torch.float64)(x), exact) <= 1e-14
+
+
 def test_swiglu_matches_formula() -> None:
     ffn = SwiGLU(16, 48)
     x = torch.randn(2, 5, 16)
