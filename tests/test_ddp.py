@@ -501,3 +501,70 @@ def test_bucketed_refuses_sparse_gradients(single_rank_group):
 def test_broadcast_buffers_must_be_a_bool(make):
     with pytest.raises(TypeError, match="broadcast_buffers"):
         make(nn.Linear(2, 2), broadcast_buffers="no")
+
+
+def _chatty_hang(ctx) -> None:
+    """Sends a message every 2 ms forever."""
+    import time
+
+    while True:
+        ctx.send("still here")
+        time.sleep(0.002)
+
+
+def _hang_reporting_pid(ctx, folder: str) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    (Path(folder) / f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_launch_deadline_holds_while_ranks_keep_sending():
+    """Messages arriving faster than the poll interval must not hold off the deadline."""
+    import time
+
+    start = time.monotonic()
+    # (10 s: the ranks start sending well before it, a few seconds after their start)
+    with pytest.raises(TimeoutError, match="did not finish within 10 s"):
+        launch(_chatty_hang, 2, backend="gloo", timeout_s=10, num_threads=1, on_message=lambda rank, message: None)
+    assert time.monotonic() - start < 25
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """A launcher ended by SIGTERM (a scheduler's), whose `finally` never runs: its ranks go too, not left holding
+    their devices until their own deadline."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from cs336_systems.distributed.launch import launch\n"
+            "from tests.test_ddp import _hang_reporting_pid\n"
+            f"launch(_hang_reporting_pid, 2, ({str(tmp_path)!r},), backend='gloo', timeout_s=300, num_threads=1)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=30)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids), "ranks outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -27,7 +27,8 @@ import time
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, read_rows, \
+    torchrun_follower
 from cs336_systems.bench.report import Output
 
 NAME = "allreduce"
@@ -41,7 +42,6 @@ OK_FIELDS = {"ms": NUMBER, "algbw_gbps": NUMBER, "busbw_gbps": NUMBER}
 # A row's identity: the shared key plus what this problem varies. `variant` only labels the progress line with
 # the size and world size (rows recorded before it existed lack it), so it is left out.
 KEY = (*(f for f in KEY_FIELDS if f != "variant"), "backend", "world_size", "size_mb")
-MAX_ERROR_CHARS = 300
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from cs336_systems.distributed.launch import WorkerError, run_ranks, torchrun_place
 
     joining = torchrun_place() is not None
-    done = {key_of(r, KEY) for r in read_rows(rec.path) if r.get("status") in ("ok", "oom")} if args.resume else set()
+    done = {key_of(r, KEY) for r in read_rows(rec.path)
+            if r.get("status") in ("ok", "oom") and rec.same_code(r)} if args.resume else set()
     for backend, world_size in plan(args):
         fields = {
             size_mb: dict(impl=backend, mode="all_reduce", dtype="fp32", backend=backend, world_size=world_size,
@@ -137,12 +138,18 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         try:
             run_ranks(allreduce_worker, world_size, (todo, args.warmup_iters, args.iters), backend=backend,
                       timeout_s=args.timeout_s, num_threads=1 if args.smoke else None, on_message=on_message)
-        except (WorkerError, TimeoutError) as e:
+        except Exception as e:
+            # launch(): a rank's failure (WorkerError) or the deadline; under torchrun this rank's own error, which
+            # rank 0 records before it propagates (torchrun then stops the job)
+            if not isinstance(e, (WorkerError, TimeoutError)) and not joining:
+                raise
             print(f"[{NAME}] {backend} x {world_size}: {e}", file=sys.stderr)
-            status = f"error: {type(e).__name__}: {' '.join(str(e).split())[-MAX_ERROR_CHARS:]}"
-            for mb in todo:
-                if mb not in written:
-                    rec.skip(fields[mb], status)
+            if not torchrun_follower():
+                for mb in todo:
+                    if mb not in written:
+                        rec.skip(fields[mb], rank_failure_status(e))
+            if joining:
+                raise
     return 0
 
 

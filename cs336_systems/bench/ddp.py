@@ -41,7 +41,8 @@ from typing import Any
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, read_rows
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, read_rows, \
+    torchrun_follower
 from cs336_systems.bench.report import Output
 
 NAME = "ddp"
@@ -61,7 +62,6 @@ LABELS = {
     "individual": "overlapped, per parameter",
     "torch_ddp": "PyTorch DDP",
 }
-MAX_ERROR_CHARS = 300
 LR = 1e-4
 DEFAULT_WORLD_SIZE = 2
 
@@ -153,7 +153,8 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     common = dict(mode="train_step", dtype="fp32", backend=backend, world_size=world_size,
                   model_size=args.model_size, context_length=args.context_length, batch=args.batch,
                   vocab=args.vocab, steps=args.steps, warmup_steps=args.warmup_steps)
-    done = {key_of(r, KEY) for r in read_rows(rec.path) if r.get("status") in ("ok", "oom")} if args.resume else set()
+    done = {key_of(r, KEY) for r in read_rows(rec.path)
+            if r.get("status") in ("ok", "oom") and rec.same_code(r)} if args.resume else set()
     todo = [{**common, **r} for r in runs_of(args)]
     todo = [f for f in todo if key_of(rec.base_row(f), KEY) not in done]
     if not todo and place is None:  # under torchrun every rank joins: rank 0's plan, not this one's, decides
@@ -172,12 +173,18 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     try:
         run_ranks(ddp_worker, world_size, (setup, todo), backend=backend, timeout_s=args.timeout_s,
                   num_threads=1 if args.smoke else None, on_message=on_message)
-    except (WorkerError, TimeoutError) as e:
+    except Exception as e:
+        # launch(): a rank's failure (WorkerError) or the deadline; under torchrun this rank's own error, which rank 0
+        # records before it propagates (torchrun then stops the job)
+        if not isinstance(e, (WorkerError, TimeoutError)) and place is None:
+            raise
         print(f"[{NAME}] {e}", file=sys.stderr)
-        status = f"error: {type(e).__name__}: {' '.join(str(e).split())[-MAX_ERROR_CHARS:]}"
-        for i, fields in enumerate(todo):
-            if i not in written:
-                rec.skip(fields, status)
+        if not torchrun_follower():
+            for i, fields in enumerate(todo):
+                if i not in written:
+                    rec.skip(fields, rank_failure_status(e))
+        if place is not None:
+            raise
     return 0
 
 

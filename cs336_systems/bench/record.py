@@ -84,6 +84,7 @@ TIME_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean")
 BASE_FIELDS = {"status": str, "impl": str}
 MAX_ERROR_CHARS = 500
 COMMIT_ENV = "CS336_BENCH_COMMIT"  # overrides git (e.g. on a machine that gets the tree without .git)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")  # = distributed.launch.TORCHRUN_ENV (torch-free)
 NO_DEVICE = "none"  # `gpu` of rows measured without a device (resources)
 
 Row = dict[str, Any]
@@ -236,9 +237,19 @@ def append_line(path: Path, line: str) -> None:
         os.fsync(f.fileno())
 
 
+def rank_failure_status(e: BaseException) -> str:
+    """An error row's status for a multi-rank run that failed: the exception's type, and its message's head (which
+    rank failed) and tail (why), at most MAX_ERROR_CHARS."""
+    text = " ".join(str(e).split())
+    half = MAX_ERROR_CHARS // 2
+    return f"error: {type(e).__name__}: {text if len(text) <= MAX_ERROR_CHARS else text[:half] + ' ... ' + text[-half:]}"
+
+
 def torchrun_follower() -> bool:
-    """Whether this process is a rank other than 0 of a torchrun job (which records nothing)."""
-    return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
+    """Whether this process is a rank other than 0 of a torchrun job (which records nothing): the environment names
+    one as `distributed.launch.torchrun_place` reads it (all of TORCHRUN_ENV; a partial set is no torchrun job, and
+    the run spawns its own ranks), and RANK is not 0."""
+    return all(name in os.environ for name in TORCHRUN_ENV) and os.environ["RANK"] != "0"
 
 
 class Recorder:

@@ -158,9 +158,11 @@ def launch(
         while len(results) < world_size and not failures:
             try:
                 handle(*channel.get(timeout=POLL_S))
-                continue
             except queue.Empty:
                 pass
+            if len(results) == world_size or failures:
+                break
+            # (checked after every message too: ranks that keep sending must not hold off the deadline)
             if any(rank not in results and p.exitcode is not None for rank, p in enumerate(procs)):
                 # A rank has exited: take what it sent before it died, then see whether it reported.
                 _drain(channel, handle)
@@ -269,6 +271,7 @@ def _rank_main(
     worker: Callable[..., Any],
     args: tuple,
 ) -> None:
+    _die_with_parent()
     try:
         store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
         device = _init_rank(rank, world_size, backend, rank, timeout_s, num_threads, store=store)
@@ -280,6 +283,22 @@ def _rank_main(
         raise
     # Every rank finished its collectives before returning, so this does not wait on peers.
     dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this rank when the launcher dies (SIGTERM or SIGKILL from a scheduler, say), which no
+    `finally` of the launcher's runs for: ranks left behind would hold their GPUs until their own deadline. Linux
+    only (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the launcher died before the request took hold
+        os._exit(1)
 
 
 def _init_rank(

@@ -4,6 +4,7 @@ plan per host, report."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,11 @@ def test_smoke_allreduce(tmp_path, capsys):
     # --resume: every measurement is done, so nothing is spawned and nothing written.
     assert run_cli("allreduce", "--smoke", "--resume", "--out", str(tmp_path)) == 0
     assert len(rows_of(tmp_path, "allreduce")) == 2
+    # ... unless other code measured them: a row of another code_sha is measured again
+    path = tmp_path / "allreduce" / "metrics.jsonl"
+    path.write_text("".join(json.dumps({**r, "code_sha": "other"}) + "\n" for r in rows))
+    assert run_cli("allreduce", "--smoke", "--resume", "--out", str(tmp_path)) == 0
+    assert len(rows_of(tmp_path, "allreduce")) == 4
     table = check_report(tmp_path, "allreduce")
     assert "| gloo | 2 |" in table
 

@@ -203,3 +203,20 @@ def test_files_rows_point_to_are_never_overwritten(tmp_path):
     again = second.new_file("traces/small_512_step_fp32.json.gz")
     assert again.name == f"small_512_step_fp32-{second.run_id}.json.gz" and not again.exists()
     assert path.read_bytes() == b"first"
+
+
+def test_torchrun_follower_reads_the_environment_as_the_launcher_does(monkeypatch):
+    """A partial torchrun environment (WORLD_SIZE and RANK alone) is no torchrun job for the recorder either: it
+    records and takes the lock, as the run spawns its own ranks."""
+    from cs336_systems.bench import record
+    from cs336_systems.distributed import launch
+
+    assert record.TORCHRUN_ENV == launch.TORCHRUN_ENV
+    for name in launch.TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert not record.torchrun_follower() and launch.torchrun_place() is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert record.torchrun_follower() and launch.torchrun_place() is not None
