@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.distributed.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, assign_buckets
-from cs336_systems.distributed.launch import launch
+from cs336_systems.distributed.launch import WorkerError, launch
 from tests import adapters
 from tests.helpers import ToyModel
 
@@ -568,3 +568,21 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def _rank1_dies_in_a_collective(ctx) -> None:
+    import os
+    import time
+
+    if ctx.rank == 1:
+        time.sleep(1.0)  # rank 0 is inside the all-reduce by now
+        os._exit(3)
+    dist.all_reduce(torch.ones(4))
+
+
+def test_launch_names_the_rank_that_died_not_its_peer():
+    """A rank that dies while its peer waits in a collective: the report names the dead rank first, not the peer's
+    "connection closed" that arrives before it."""
+    with pytest.raises(WorkerError) as failure:
+        launch(_rank1_dies_in_a_collective, 2, backend="gloo", timeout_s=60, num_threads=1)
+    assert str(failure.value).startswith("rank 1 exited with code 3"), str(failure.value)[:300]

@@ -42,6 +42,10 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 HOST = "127.0.0.1"
 POLL_S = 0.05
 TERMINATE_GRACE_S = 5.0
+FAILURE_SETTLE_S = 1.0  # after a rank fails, how long the others get to report their own failure or exit
+# What a rank's error says when it only lost a peer (Gloo, NCCL): named after the rank that failed first
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                 "NCCL communicator was aborted", "remote process exited")
 
 
 class WorkerError(RuntimeError):
@@ -140,7 +144,8 @@ def launch(
         for rank in range(world_size)
     ]
     results: dict[int, Any] = {}
-    failures: list[str] = []
+    errors: dict[int, str] = {}  # rank -> the traceback it reported
+    died: dict[int, int] = {}  # rank -> exit code, for ranks that exited reporting nothing
 
     def handle(kind: str, rank: int, payload: Any) -> None:
         if kind == "message":
@@ -149,36 +154,55 @@ def launch(
         elif kind == "result":
             results[rank] = pickle.loads(payload)
         else:
-            failures.append(f"rank {rank} raised:\n{payload}")
+            errors[rank] = payload
+
+    def note_deaths() -> None:
+        for rank, p in enumerate(procs):
+            if rank not in results and rank not in errors and p.exitcode is not None:
+                died[rank] = p.exitcode
 
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        while len(results) < world_size and not failures:
+        while len(results) < world_size and not errors and not died:
             try:
                 handle(*channel.get(timeout=POLL_S))
             except queue.Empty:
                 pass
-            if len(results) == world_size or failures:
+            if len(results) == world_size or errors:
                 break
             # (checked after every message too: ranks that keep sending must not hold off the deadline)
             if any(rank not in results and p.exitcode is not None for rank, p in enumerate(procs)):
-                # A rank has exited: take what it sent before it died, then see whether it reported.
-                _drain(channel, handle)
-                for rank, p in enumerate(procs):
-                    if rank not in results and p.exitcode is not None and not failures:
-                        failures.append(f"rank {rank} exited with code {p.exitcode} before reporting a result")
+                _drain(channel, handle)  # a rank has exited: take what it sent before it died
+                note_deaths()
             elif time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g} s")
+        if errors or died:
+            # The first report is often a peer's "connection closed" about the rank that failed: let the others
+            # report or exit for a moment, so that the cause is named first
+            _drain(channel, handle, wait_s=FAILURE_SETTLE_S)
+            note_deaths()
     finally:
         # After a failure or timeout, peers may be stuck in a collective: no grace period then.
         _stop(procs, grace_s=TERMINATE_GRACE_S if len(results) == world_size else 0.0)
         channel.close()
-    if failures:
-        raise WorkerError(failures[0])
+    if errors or died:
+        raise WorkerError(_failure_report(errors, died))
     return [results[r] for r in range(world_size)]
+
+
+def _failure_report(errors: dict[int, str], died: dict[int, int]) -> str:
+    """What failed, its likely cause first: ranks that died without a word, then ranks whose error is their own,
+    then ranks that only lost a peer (a collective's connection closed or reset under them)."""
+    def peer_loss(text: str) -> bool:
+        return any(symptom in text for symptom in PEER_SYMPTOMS)
+
+    parts = [f"rank {rank} exited with code {code} before reporting a result" for rank, code in sorted(died.items())]
+    ranked = sorted(errors.items(), key=lambda item: (peer_loss(item[1]), item[0]))
+    parts += [f"rank {rank} raised:\n{text}" for rank, text in ranked]
+    return "\n".join(parts)
 
 
 def join(
