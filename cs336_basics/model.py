@@ -93,6 +93,8 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # a negative id would index from the end (id -1: the last token's row); asserted on the device, no sync
+        torch._assert_async((token_ids >= 0).all(), "token ids must be non-negative")
         return self.weight[token_ids]  # (...) -> (..., embedding_dim)
 
 

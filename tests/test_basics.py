@@ -235,6 +235,14 @@ def test_rmsnorm_keeps_float64_precision() -> None:
     assert max_err(RMSNorm(64, dtype=torch.float64)(x), exact) <= 1e-14
 
 
+def test_embedding_refuses_negative_token_ids() -> None:
+    """Token -1 must not read the last row (PyTorch indexing counts from the end)."""
+    embedding = Embedding(10, 4)
+    assert torch.equal(embedding(torch.tensor([0, 9])), embedding.weight[[0, 9]])
+    with pytest.raises(RuntimeError, match="non-negative"):
+        embedding(torch.tensor([3, -1]))
+
+
 def test_swiglu_matches_formula() -> None:
     ffn = SwiGLU(16, 48)
     x = torch.randn(2, 5, 16)
