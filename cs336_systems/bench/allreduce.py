@@ -27,7 +27,7 @@ import time
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, read_rows, \
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, \
     torchrun_follower
 from cs336_systems.bench.report import Output
 
@@ -116,8 +116,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     from cs336_systems.distributed.launch import WorkerError, run_ranks, torchrun_place
 
     joining = torchrun_place() is not None
-    done = {key_of(r, KEY) for r in read_rows(rec.path)
-            if r.get("status") in ("ok", "oom") and rec.same_code(r)} if args.resume else set()
+    done = rec.completed_keys(KEY) if args.resume else set()
     for backend, world_size in plan(args):
         fields = {
             size_mb: dict(impl=backend, mode="all_reduce", dtype="fp32", backend=backend, world_size=world_size,
@@ -145,9 +144,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                 raise
             print(f"[{NAME}] {backend} x {world_size}: {e}", file=sys.stderr)
             if not torchrun_follower():
+                status = rank_failure_status(e)
                 for mb in todo:
                     if mb not in written:
-                        rec.skip(fields[mb], rank_failure_status(e))
+                        rec.skip(fields[mb], status)
             if joining:
                 raise
     return 0

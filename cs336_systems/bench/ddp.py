@@ -41,7 +41,7 @@ from typing import Any
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, read_rows, \
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, \
     torchrun_follower
 from cs336_systems.bench.report import Output
 
@@ -153,8 +153,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     common = dict(mode="train_step", dtype="fp32", backend=backend, world_size=world_size,
                   model_size=args.model_size, context_length=args.context_length, batch=args.batch,
                   vocab=args.vocab, steps=args.steps, warmup_steps=args.warmup_steps)
-    done = {key_of(r, KEY) for r in read_rows(rec.path)
-            if r.get("status") in ("ok", "oom") and rec.same_code(r)} if args.resume else set()
+    done = rec.completed_keys(KEY) if args.resume else set()
     todo = [{**common, **r} for r in runs_of(args)]
     todo = [f for f in todo if key_of(rec.base_row(f), KEY) not in done]
     if not todo and place is None:  # under torchrun every rank joins: rank 0's plan, not this one's, decides
@@ -180,9 +179,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             raise
         print(f"[{NAME}] {e}", file=sys.stderr)
         if not torchrun_follower():
+            status = rank_failure_status(e)
             for i, fields in enumerate(todo):
                 if i not in written:
-                    rec.skip(fields, rank_failure_status(e))
+                    rec.skip(fields, status)
         if place is not None:
             raise
     return 0

@@ -297,6 +297,12 @@ class Recorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    def completed_keys(self, fields: Iterable[str], statuses: Iterable[str] = ("ok", "oom")) -> set[tuple]:
+        """`fields`' values of every row on file with one of `statuses` measured by this run's code (`same_code`): what
+        a problem with its own row identity (allreduce, ddp) does not measure again under `--resume`."""
+        statuses = tuple(statuses)
+        return {key_of(r, fields) for r in read_rows(self.path) if r.get("status") in statuses and self.same_code(r)}
+
     def same_code(self, row: Row) -> bool:
         """Whether `row` measured what this run measures: the same sources (`code_sha`) under the same torch and
         triton. `--resume` counts only such rows as done; a changed kernel is measured again."""
