@@ -111,16 +111,14 @@ def grouped_program(HEAD_GROUP, TAIL):
 
 
 @gluon.jit
-def kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
-    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `grouped_program`'s order): (k_start, its
-    first row in the (B·Hkv·Nk, D) views of K, V, dK, dV, the (batch·H) index of its group's first query
-    head)."""
+def kv_program(N_HEADS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N: gl.constexpr):
+    """A dK/dV program's key tile (grid (batch·kv_heads, key tiles), `grouped_program`'s order): (k_start, the
+    (batch·H) index of its group's first query head); `kv_tiles_at` places the tile in K, V, dK, dV."""
     batch_kv_head, key_tile = grouped_program(HEAD_GROUP, TAIL)
-    k_start = key_tile * BLOCK_N
     n_kv_heads = N_HEADS // KV_GROUP
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
-    return k_start, batch_kv_head * N_KEYS + k_start, batch * N_HEADS + kv_head * KV_GROUP
+    return key_tile * BLOCK_N, batch * N_HEADS + kv_head * KV_GROUP
 
 
 @gluon.jit

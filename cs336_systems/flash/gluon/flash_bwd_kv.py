@@ -25,7 +25,7 @@ def flash_bwd_kv_gluon_kernel(
     (natural log) and delta: contiguous (B·H, Nq) fp32, loaded one query tile ahead (global-load
     latency off the path from the Sᵀ wait to the exponentials)."""
     dtype: gl.constexpr = q_desc.dtype
-    k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+    k_start, first_head = kv_program(N_HEADS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N)
     kv_at = kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
 
     # Sᵀ, dPᵀ: (BLOCK_N keys, BLOCK_M queries); dK, dV: (BLOCK_N, D). Warps along keys.

@@ -65,21 +65,27 @@ def _query_tile(t, n_vis, first_head, q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK
     starts at a 16-byte-aligned address: `packed_rows`)."""
     head = first_head + t // n_vis
     local = q_first + (t % n_vis) * BLOCK_M
+    acc_row = _accumulator_row(t, n_vis, first_head, q_first, q0, N_QUERIES, BLOCK_M)
     if IS_VARLEN:
         row = q0 + local
         col = head * D
         do_row = row
         do_col = col
-        acc_row = head * N_QUERIES + row
         l_row = head
         l_col = l0 + local
     else:
         row, col = head_tile(first_head, t // n_vis, local, N_HEADS, N_QUERIES, D, Q_INSIDE)
         do_row, do_col = head_tile(first_head, t // n_vis, local, N_HEADS, N_QUERIES, D, DO_INSIDE)
-        acc_row = head * N_QUERIES + local
         l_row = acc_row // BLOCK_M
         l_col = col * 0
     return row, col, do_row, do_col, acc_row, l_row, l_col
+
+
+@gluon.jit
+def _accumulator_row(t, n_vis, first_head, q_first, q0, N_QUERIES, BLOCK_M: gl.constexpr):
+    """Query tile t's first row in the dQ accumulator: (B·H·Nq, D) dense, (H, total_q, D) packed, whose sequence
+    starts at q0 (0 dense)."""
+    return (first_head + t // n_vis) * N_QUERIES + q0 + q_first + (t % n_vis) * BLOCK_M
 
 
 @gluon.jit
@@ -116,15 +122,14 @@ def _single_keys_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q
 
 @gluon.jit
 def _single_keys_dq_writer(dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, q0, N_QUERIES,
-                           BLOCK_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+                           BLOCK_M: gl.constexpr):
     """The dQ warp of `flash_bwd_single_keys_gluon_kernel`: per query tile u, once its dQ is in the buffer of u's
     parity (x: even, y: odd; `dq_full`), a TMA bulk reduction into the accumulator behind dq_desc; once it has read
     the buffer, the buffer goes back to the compute warps (`dq_empty`)."""
     for u in range(total):
         b = u % 2
         mbarrier.wait(dq_full.index(b), (u // 2) & 1)
-        _, _, _, _, row, _, _ = _query_tile(u, n_vis, first_head, q_first, q0, q0, N_QUERIES, 1, BLOCK_M,
-                                            dq_desc.block_type.shape[1], IS_VARLEN, False, False)  # (its row only)
+        row = _accumulator_row(u, n_vis, first_head, q_first, q0, N_QUERIES, BLOCK_M)
         if b == 0:
             tma_reduce_add(dq_desc, [row, 0], x[1].index(0))
         else:
@@ -442,7 +447,7 @@ def flash_bwd_single_keys_gluon_kernel(
         kv_at = (kv_row, kv_col, kv_row, kv_col)
         q_first, n_vis, total = _band_tiles(k_start, n_q, KV_GROUP, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     else:
-        k_start, _, first_head = kv_program(N_HEADS, KV_GROUP, N_KEYS, HEAD_GROUP, TAIL, BLOCK_N)
+        k_start, first_head = kv_program(N_HEADS, KV_GROUP, HEAD_GROUP, TAIL, BLOCK_N)
         kv_at = kv_tiles_at(first_head, k_start, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
         q0 = k_start * 0
         l0 = q0
@@ -492,7 +497,7 @@ def flash_bwd_single_keys_gluon_kernel(
                                q_first, q0, l0, N_QUERIES, N_HEADS, BLOCK_M, STAGES, IS_VARLEN, Q_INSIDE,
                                DO_INSIDE)),
         (_single_keys_dq_writer, (dq_desc, x, y, dq_full, dq_empty, total, n_vis, first_head, q_first, q0, N_QUERIES,
-                                  BLOCK_M, IS_VARLEN)),
+                                  BLOCK_M)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(empty.index(i))
