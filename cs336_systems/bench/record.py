@@ -81,7 +81,9 @@ NUMBER = (int, float)
 NUMERIC_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean", "ms_std", "tflops", "peak_mem_mb", *ERROR_FIELDS)
 # Times that tables divide by and plots take logs of: when present, positive and finite.
 TIME_FIELDS = ("ms", "ms_p20", "ms_p80", "ms_mean")
-BASE_FIELDS = {"status": str, "impl": str}
+# Provenance every rendered row must carry (`run_metadata`); code_sha is newer than some committed rows.
+PROVENANCE_FIELDS = {"gpu": str, "torch": str, "triton": str, "commit": str, "run_id": str}
+BASE_FIELDS = {"status": str, "impl": str, **PROVENANCE_FIELDS}
 MAX_ERROR_CHARS = 500
 COMMIT_ENV = "CS336_BENCH_COMMIT"  # overrides git (e.g. on a machine that gets the tree without .git)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")  # = distributed.launch.TORCHRUN_ENV (torch-free)
@@ -129,9 +131,10 @@ def type_ok(value: Any, kind: type | tuple[type, ...]) -> bool:
 
 
 def problem_of_row(row: Row, schema: ModuleType | None) -> str | None:
-    """Why `row` cannot be rendered (missing or mistyped field, a time that is not positive and finite),
-    or None when it can. `schema`: the problem module, whose FIELDS / OK_FIELDS the row must have."""
-    fields = {**BASE_FIELDS, **getattr(schema, "FIELDS", {})} if schema is not None else {"status": str}
+    """Why `row` cannot be rendered (missing or mistyped field, provenance included, a time that is not positive
+    and finite), or None when it can. `schema`: the problem module, whose FIELDS / OK_FIELDS the row must have."""
+    fields = ({**BASE_FIELDS, **getattr(schema, "FIELDS", {})} if schema is not None
+              else {"status": str, **PROVENANCE_FIELDS})
     if row.get("status") == "ok":
         fields.update(getattr(schema, "OK_FIELDS", {}))
     for field, kind in fields.items():

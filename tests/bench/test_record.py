@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cs336_systems.bench import cli
-from cs336_systems.bench.record import KEY_FIELDS, RESUME_FIELDS, Recorder, key_of, read_rows, run_metadata
+from cs336_systems.bench.record import KEY_FIELDS, PROVENANCE_FIELDS, RESUME_FIELDS, Recorder, key_of, read_rows, \
+    run_metadata
 
 from .helpers import rows_of, run_cli
 
@@ -18,9 +19,10 @@ FIELDS = dict(impl="naive", mode="fwd", dtype="fp32", batch=1, n_heads=1, seq_le
 
 
 def this_code() -> dict:
-    """The fields `--resume` compares with the running code's (sources digest, torch, triton)."""
+    """The fields `--resume` compares with the running code's (sources digest, torch, triton), and the rest of a
+    row's provenance."""
     meta = run_metadata(torch.device("cpu"))
-    return {f: meta[f] for f in RESUME_FIELDS}
+    return {"commit": "abc1234", "run_id": "r1", **{f: meta[f] for f in RESUME_FIELDS}}
 
 
 def test_recorder_appends_each_row_immediately(tmp_path):
@@ -220,3 +222,17 @@ def test_torchrun_follower_reads_the_environment_as_the_launcher_does(monkeypatc
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert record.torchrun_follower() and launch.torchrun_place() is not None
+
+
+@pytest.mark.parametrize("field", PROVENANCE_FIELDS)
+def test_a_row_without_provenance_is_neither_rendered_nor_done(tmp_path, capsys, field):
+    """A row that cannot say where, with what and from which commit it was measured is skipped with a warning."""
+    row = {"problem": "attention", **FIELDS, "gpu": "cpu", "status": "ok", "ms": 1.0, **this_code()}
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "metrics.jsonl").write_text(json.dumps({**row, "seq_len": 16}) + "\n"
+                                                          + json.dumps({k: v for k, v in row.items() if k != field})
+                                                          + "\n")
+    assert not Recorder(tmp_path, "attention", torch.device("cpu"), resume=True).is_done(FIELDS)
+    assert f"missing {field!r}" in capsys.readouterr().err
+    assert cli.main(["report", "--out", str(tmp_path), "--problems", "attention"]) == 0
+    assert f"missing {field!r}" in capsys.readouterr().err

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from cs336_systems.bench import cli
 
-from .helpers import rows_of, run_cli, timed, write_rows
+from .helpers import META, rows_of, run_cli, timed, write_rows
 
 
 def flash_rows() -> list[dict]:
@@ -95,15 +96,15 @@ def test_report_skips_malformed_rows_and_renders_the_rest(tmp_path, capsys):
     path = write_rows(tmp_path, "flash", flash_rows()[:9])
     with path.open("a") as f:
         f.write('42\nnull\n{"problem": "flash", "status": "ok"}\n')
-        f.write('{"problem": "flash", "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8, '
-                '"d_head": 4, "is_causal": true, "status": "ok", "ms": "fast"}\n')
-        f.write('{"problem": "flash", "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8, '
-                '"d_head": 4, "is_causal": true, "status": "ok"}\n')
+        row = {"problem": "flash", **META, "impl": "naive", "mode": "fwd", "dtype": "bf16", "batch": 1, "seq_len": 8,
+               "d_head": 4, "is_causal": True, "status": "ok"}
+        f.write(json.dumps({**row, "ms": "fast"}) + "\n" + json.dumps(row) + "\n")
+        f.write(json.dumps({**row, "ms": 1.0, "gpu": None}) + "\n")  # no provenance
     write_rows(tmp_path, "model", [{"impl": "naive", "status": "ok"}])  # nothing renderable
     write_rows(tmp_path, "overhead", [overhead_row(0.05)])
     assert cli.main(["report", "--out", str(tmp_path)]) == 0  # model has no valid row: warned, not fatal
     err = capsys.readouterr().err
-    assert err.count("skipping") >= 6 and "'ms' is 'fast'" in err and "missing 'ms'" in err
+    assert err.count("skipping") >= 6 and "'ms' is 'fast'" in err and "missing 'ms'" in err and "flash/metrics.jsonl: skipped 4 rows in all" in err
     assert "| 64 | 1024 |" in (tmp_path / "flash" / "table.md").read_text()
     assert "| ours | 130.0 | 50.000 | 200.0 | 2.60 |" in (tmp_path / "overhead" / "table.md").read_text()
     assert not (tmp_path / "model" / "table.md").exists()
