@@ -54,3 +54,15 @@ def test_smoke_varlen(tmp_path):
 
     assert run_cli("varlen", "--smoke", "--out", str(tmp_path), "--resume") == 0
     assert len(rows_of(tmp_path, "varlen")) == len(rows)  # all done: nothing measured again
+
+    # ours measured again (its row lost): its references are measured again beside it, so its ratios stay same-run
+    path = tmp_path / "varlen" / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines()
+            if not ('"impl": "flash_triton"' in line and '"section": "packed"' in line and '"mode": "fwd"' in line)]
+    path.write_text("\n".join(kept) + "\n")
+    assert run_cli("varlen", "--smoke", "--out", str(tmp_path), "--resume") == 0
+    new = rows_of(tmp_path, "varlen")[len(kept):]
+    assert sorted((r["impl"], r["mode"]) for r in new) == [("flash_triton", "fwd"), ("flex", "fwd"), ("sdpa_cudnn", "fwd")]
+    again = {r["impl"]: r for r in new}
+    assert again["flash_triton"]["x_flex"] == again["flash_triton"]["ms"] / again["flex"]["ms"]
+    assert len({r["run_id"] for r in new}) == 1
