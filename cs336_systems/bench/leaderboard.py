@@ -239,7 +239,9 @@ def render(rows: list[Row], out: Output) -> list[str]:
                 r = report.pick(group, mode=mode, **same)
                 line += [report.status_cell(r) or f"{report.fmt_num(r['ms'])} / {report.fmt_num(r['ms_mean'])}",
                          report.field_cell("tflops")(r)]
-                refs = [report.pick(group, mode=mode, variant=ref, run_id=first["run_id"]) for ref in SDPA_REFERENCES]
+                # (from every row: a later run's reference row replaces this run's in `group`)
+                refs = [report.pick(rows, mode=mode, variant=ref, run_id=first["run_id"], **dict(zip(fields, key)))
+                        for ref in SDPA_REFERENCES]
                 line.append(" / ".join(report.ratio_cell(r, ref, "ms_mean") for ref in refs)
                             if first["impl"] not in SDPA_REFERENCES else "")
             body.append(line)
