@@ -936,3 +936,49 @@ def test_gluon_kernels_compiled_ahead_for_longer_calls():
     ran = [(key[0][0], plan.choice.design) for key, plan in launch._BACKWARD_PLANS.items()]
     assert ((b, h, n, d), chooser.Backward.GLUON_SINGLE) in ran, "the longer call must run the Gluon kernels"
     assert compiled() == before, "the longer call compiled a kernel at its first launch"
+
+
+@pytest.mark.gpu
+def test_a_call_runs_compiled_triton_kernels_while_its_gluon_kernel_compiles(monkeypatch):
+    """A new length whose backward is the Gluon single pass while that kernel still compiles in the background (as
+    `prewarm` sent it at a longer length): the call runs the Triton kernels it has compiled, at once and with their
+    results, and keeps no plan; once the compile has ended, the next call plans the Gluon kernel and keeps it."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from cs336_systems.flash import background, chooser, gluon, launch
+    from cs336_systems.flash_triton import KernelOptions, flash_backward_triton, flash_forward_triton
+
+    b, h, n, d = 2, 16, 1536, 64
+    q, k, v, do = (randn_cuda(b, h, n, d, seed=70 + i, dtype=torch.bfloat16) for i in range(4))
+    if not gluon.supported(q, k, v, do, single_pass=True):
+        pytest.skip("the Gluon single pass does not take this call here")
+    o, lse = flash_forward_triton(q, k, v, True)
+    triton_only = flash_backward_triton(q, k, v, o, lse, do, True, KernelOptions(gluon_fwd=False, gluon_kv=False))
+    launch.wait_for_background_compiles()  # (what the first forward sent; then one compile is made to look pending)
+    own: list = []
+    flash_backward_triton(q, k, v, o, lse, do, True, warm=own)
+    compiling = Future()
+    for launcher, args, constexprs in own:
+        if not isinstance(launcher, launch._Launcher):  # (the Gluon kernel)
+            monkeypatch.setitem(background._IN_FLIGHT, background.specialization(
+                launcher.name, args, constexprs, launcher.plain), compiling)
+    assert background.compiling(own)
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+    ends = threading.Timer(60, compiling.set_result, (None,))  # (a failing routing waits this long, not forever)
+    ends.start()
+    try:
+        start = time.perf_counter()
+        grads = flash_backward_triton(q, k, v, o, lse, do, True)
+        waited = time.perf_counter() - start
+    finally:
+        ends.cancel()
+        if not compiling.done():
+            compiling.set_result(None)
+    assert waited < 30, f"the call waited {waited:.1f} s for the background compile"
+    assert not launch._BACKWARD_PLANS, "a plan chosen while a kernel compiles must not be kept"
+    assert all(torch.equal(x, y) for x, y in zip(grads, triton_only)), "the two-pass Triton backward is repeatable"
+    flash_backward_triton(q, k, v, o, lse, do, True)
+    (plan,) = launch._BACKWARD_PLANS.values()
+    assert plan.choice.design == chooser.Backward.GLUON_SINGLE

@@ -1,5 +1,6 @@
 """Background compiles: threads that compile kernels before their first launch, and the compiles in flight per
-kernel specialization, which a launch waits for rather than compiling the same kernel twice.
+kernel specialization, which a launch waits for rather than compiling the same kernel twice (or, where another
+design's kernels are all compiled, runs that design instead: `compiling`, `compiled`).
 
 A compile is submitted as (launcher, arguments, constexprs): the launcher has a `name`, `plain` (its kernel's
 `plain_positions`) and a `warm(arguments, constexprs)` that compiles and loads the kernel those arguments launch
@@ -17,6 +18,7 @@ import torch
 
 # per `specialization`: its background compile (kept after it ends: a later submit of it is a no-op)
 _IN_FLIGHT: dict[tuple, Future] = {}
+_LAUNCHED: set[tuple] = set()  # specializations compiled by a launch through the JIT (`note_compiled`)
 _POOL: list[ThreadPoolExecutor] = []
 WORKERS = 4
 _EXITING = threading.Event()
@@ -95,6 +97,41 @@ def wait_for(launcher, args: tuple, constexprs: dict) -> None:
     in_flight = _IN_FLIGHT.get(specialization(launcher.name, args, constexprs, launcher.plain))
     if in_flight is not None:
         wait((in_flight,))
+
+
+def note_compiled(launcher, args: tuple, constexprs: dict) -> None:
+    """Record that a launch through the JIT compiled (and loaded) this kernel specialization (`compiled`)."""
+    _LAUNCHED.add(specialization(launcher.name, args, constexprs, launcher.plain))
+
+
+def busy() -> bool:
+    """Whether any background compile is still running or queued."""
+    return any(not in_flight.done() for in_flight in list(_IN_FLIGHT.values()))
+
+
+def compiling(launches: list) -> bool:
+    """Whether the kernel of any (launcher, arguments, constexprs) is still compiling, or queued, in the background:
+    its first launch would wait for that compile."""
+    for launcher, args, constexprs in launches:
+        in_flight = _IN_FLIGHT.get(specialization(launcher.name, args, constexprs, launcher.plain))
+        if in_flight is not None and not in_flight.done():
+            return True
+    return False
+
+
+def compiled(launches: list) -> bool:
+    """Whether the kernel of every (launcher, arguments, constexprs) is compiled in this process: launched through
+    the JIT before, or compiled in the background without error (an autotuned launcher's background compile
+    compiles nothing: only its launches count)."""
+    for launcher, args, constexprs in launches:
+        spec = specialization(launcher.name, args, constexprs, launcher.plain)
+        if spec in _LAUNCHED:
+            continue
+        in_flight = _IN_FLIGHT.get(spec)
+        if (getattr(launcher, "tuned", False) or in_flight is None or not in_flight.done() or in_flight.cancelled()
+                or in_flight.exception() is not None):
+            return False
+    return True
 
 
 def wait_all() -> None:

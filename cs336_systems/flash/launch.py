@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -116,6 +116,7 @@ class _Launcher:
         kernel = self.kernel[grid](*args, **constexprs)
         if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
             kernel = kernel.result()
+        background.note_compiled(self, args, constexprs)
         values = {**self.defaults, **dict(zip(self.arg_names, args)), **constexprs}
         if self.tuned:
             values.update(self.kernel.best_config.kwargs)
@@ -471,7 +472,14 @@ def flash_forward_triton(
         plan = plan_forward(q, k, v, is_causal, opts, key[-1], band)
     elif first:
         prewarm(q, k, v, is_causal, opts, key, window)
-        plan = _FORWARD_PLANS[key] = plan_forward(q, k, v, is_causal, opts, key[-1], band)
+        plan = plan_forward(q, k, v, is_causal, opts, key[-1], band)
+        instead = _compiled_instead(plan, plan.gluon is not None and opts.gluon_fwd is None, q,
+                                    lambda p, collect: _run_forward(p, q, k, v, is_causal, scale, collect),
+                                    lambda: plan_forward(q, k, v, is_causal, _triton_only(opts), key[-1], band))
+        if instead is None:
+            _FORWARD_PLANS[key] = plan
+        else:  # (not kept: the next call plans again)
+            plan = instead
     o, lse = _run_forward(plan, q, k, v, is_causal, scale, warm)
     if first and not _wants_grad(q, k, v):
         _start_ahead(key)  # (a call with gradients to come starts them after its backward)
@@ -656,7 +664,14 @@ def flash_backward_triton(
         plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
     elif plan is None:
         forward_key = plan_key((q, k, v), is_causal, opts, band)
-        plan = _BACKWARD_PLANS[key] = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
+        plan = plan_backward(q, k, v, o, do, is_causal, opts, key[-1], band)
+        instead = _compiled_instead(plan, plan.gluon_kv is not None and opts.gluon_kv is None, q,
+                                    lambda p, collect: _run_backward(p, q, k, v, o, lse, do, is_causal, scale, collect),
+                                    lambda: plan_backward(q, k, v, o, do, is_causal, _triton_only(opts), key[-1], band))
+        if instead is None:
+            _BACKWARD_PLANS[key] = plan
+        else:  # (not kept: the next call plans again)
+            plan = instead
         grads = _run_backward(plan, q, k, v, o, lse, do, is_causal, scale, warm)
         _start_ahead(forward_key)  # after the first call's launches, which they would slow (GIL)
         return grads
@@ -697,6 +712,32 @@ def _run_backward(plan: BackwardPlan, q: torch.Tensor, k: torch.Tensor, v: torch
     if plan.cast:
         plan.cast(buffer, dq_acc, dq, scale=scale)
     return dq, dk, dv
+
+
+def _triton_only(opts: KernelOptions) -> KernelOptions:
+    """opts without the Gluon kernels."""
+    return replace(opts, gluon_fwd=False, gluon_kv=False)
+
+
+def _compiled_instead(plan, gluon: bool, q: torch.Tensor, collect: Callable[[object, list], object],
+                      alternative: Callable[[], object]):
+    """The plan to run instead of `plan` at a call on q, where `gluon`: the default routing gave it a Gluon kernel
+    (one the options ask for runs). Where a kernel of `plan` is still compiling in the background (`prewarm` sent a
+    longer length's) and every kernel of the `alternative` plan (the Triton kernels) is compiled, the alternative,
+    whose launches wait for nothing; else None. collect(plan, launches) gathers a plan's launches for these tensors,
+    launching none (it allocates the call's buffers: only calls up to PREWARM_MAX_BYTES look, as only those
+    prewarm)."""
+    if (not gluon or INTERPRET or launch_hooks_installed() or q.numel() * q.element_size() > PREWARM_MAX_BYTES
+            or not background.busy()):
+        return None
+    own: list = []
+    collect(plan, own)
+    if not background.compiling(own):
+        return None
+    other = alternative()
+    theirs: list = []
+    collect(other, theirs)
+    return other if background.compiled(theirs) else None
 
 
 _PREWARMED: set[tuple] = set()  # forward signatures whose kernels were sent to the background
@@ -751,9 +792,10 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         H200), so a new length of the other class finds its kernels compiled (or in flight);
       - after those, where the signature can run Gluon kernels (sm_90, 16-bit, a layout they take), every kernel its
         batch and heads run at each of `chooser.gluon_lengths`: a longer call finds them compiled.
-    Any launch whose kernel is still compiling in the background waits for that compile. A dO of another layout
-    compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels where
-    the placeholders at a Gluon length would)."""
+    A call whose Gluon kernel is still compiling in the background runs the Triton kernels instead where they are all
+    compiled (`_compiled_instead`); any other launch whose kernel is still compiling waits for it. A dO of another
+    layout compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels
+    where the placeholders at a Gluon length would)."""
     if INTERPRET or not q.is_cuda or launch_hooks_installed() or key in _PREWARMED:
         return
     if q.numel() * q.element_size() > PREWARM_MAX_BYTES:  # the collected launches hold buffers of the call's size

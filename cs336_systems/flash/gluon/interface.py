@@ -263,8 +263,10 @@ def _launch(kernel, grid: tuple, template: tuple, constexprs: dict, key: tuple, 
         compiled(tensors, scale)
         return compiled
     args = _arguments(template, tensors, scale)
-    background.wait_for(_Ahead(kernel), args, constexprs)  # (compiled ahead: found in the JIT's cache)
+    ahead = _Ahead(kernel)
+    background.wait_for(ahead, args, constexprs)  # (compiled ahead: found in the JIT's cache)
     run = kernel[grid](*args, **constexprs)
+    background.note_compiled(ahead, args, constexprs)
     if not cached:
         return None
     compiled = _COMPILED[key] = _Compiled(run, grid, template, constexprs, key[1])
