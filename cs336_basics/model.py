@@ -122,8 +122,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}")
         self.d_k = d_k
         self.max_seq_len = max_seq_len
-        inv_freq = theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)  # (d_k/2,)
-        positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)  # (max_seq_len,)
+        # float64 tables: float32 angles are off by ~position·2^-24 rad (1e-3 at 16k), which a float64 model would
+        # inherit; each call casts to its input's dtype
+        inv_freq = theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k)  # (d_k/2,)
+        positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)  # (max_seq_len,)
         angles = positions[:, None] * inv_freq[None, :]  # (max_seq_len, d_k/2)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

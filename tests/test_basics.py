@@ -277,6 +277,16 @@ def test_rope_rotates_adjacent_pairs() -> None:
     assert torch.allclose(out, expected, atol=1e-5), f"pair rotation off by {max_err(out, expected):.3e}: {out}"
 
 
+def test_rope_in_float64_is_exact_at_long_positions() -> None:
+    """A float64 call rotates by float64 angles: at position 16,000 float32 tables were off by ~1e-3 rad."""
+    rope = RotaryEmbedding(theta=10000.0, d_k=4, max_seq_len=16384)
+    x = torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    out = rope(x, torch.tensor([16000]))[0]
+    expected = torch.tensor([math.cos(16000), math.sin(16000), math.cos(160.0), math.sin(160.0)], dtype=torch.float64)
+    assert max_err(out, expected) < 1e-12, f"off by {max_err(out, expected):.3e}"
+    assert rope(x.float(), torch.tensor([16000])).dtype == torch.float32
+
+
 # ---------------------------------------------------------------- model
 
 
