@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sized(p, "--warmup-iters", full=5, smoke=1, help="untimed all-reduces per size", type=nonnegative_int)
     add_sized(p, "--iters", full=10, smoke=2, help="timed all-reduces per size", type=positive_int)
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
-                   help="give up on one backend x world size after this long (all its ranks are stopped)")
+                   help="give up on one backend x world size after this long (all its ranks are stopped); under "
+                        "torchrun, which supervises the job: how long one collective may wait before it fails")
 
 
 def gpu_count() -> int:

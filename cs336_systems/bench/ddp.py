@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=positive_int, default=None,
                    help=f"ranks (one GPU each under NCCL; default: {DEFAULT_WORLD_SIZE}, or under torchrun the job's)")
     p.add_argument("--timeout-s", type=positive_float, default=540.0,
-                   help="stop every rank and record errors after this long")
+                   help="ranks it spawns: stop every rank and record errors after this long; under torchrun, "
+                        "which supervises the job: how long one collective may wait before it fails")
 
 
 def world_size_of(args: argparse.Namespace) -> int:
