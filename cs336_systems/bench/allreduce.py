@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks per run (default: 2 4 6 for gloo; for nccl those of 2 4 6 the GPUs allow; "
                         "2 with --smoke)")
     add_sized(p, "--sizes-mb", full=[1, 10, 100, 1000], smoke=[0.25, 1], help="float32 tensor sizes, MB (10^6 B)",
-              type=positive_float, nargs="+")
+              type=float32_size_mb, nargs="+")
     add_sized(p, "--warmup-iters", full=5, smoke=1, help="untimed all-reduces per size", type=nonnegative_int)
     add_sized(p, "--iters", full=10, smoke=2, help="timed all-reduces per size", type=positive_int)
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
@@ -154,6 +154,15 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
     return 0
 
 
+def float32_size_mb(text: str) -> float:
+    """A size in MB that is a whole number of float32 elements (what the row's size_mb says is what is reduced)."""
+    size_mb = positive_float(text)
+    nbytes = round(size_mb * MB)
+    if abs(size_mb * MB - nbytes) > 1e-9 * max(1, nbytes) or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"{text} MB is {size_mb * MB:g} bytes, not a whole number of float32 (4 B)")
+    return size_mb
+
+
 def allreduce_worker(ctx, sizes_mb: list[float], warmup: int, iters: int) -> None:
     """One rank: time `iters` all-reduces per size; rank 0 sends each size's row metrics."""
     import torch
@@ -162,7 +171,7 @@ def allreduce_worker(ctx, sizes_mb: list[float], warmup: int, iters: int) -> Non
     from cs336_systems.bench.timing import summarize_ms, synchronize
 
     for size_mb in sizes_mb:
-        numel = max(1, int(size_mb * MB) // 4)
+        numel = round(size_mb * MB) // 4
         x = torch.randn(numel, dtype=torch.float32, device=ctx.device)
         for _ in range(warmup):
             dist.all_reduce(x)

@@ -125,3 +125,17 @@ def test_gloo_alone_needs_no_gpu():
     assert not allreduce.needs_device(namespace(backends=["gloo"]))
     assert allreduce.needs_device(namespace(backends=["gloo", "nccl"]))
     assert allreduce.needs_device(namespace())
+
+
+@pytest.mark.parametrize("size", ["0.000001", "0.0000025", "1.0000001"])
+def test_a_size_that_is_no_whole_number_of_floats_is_a_usage_error(size, capsys):
+    """A row's size_mb is what was reduced: 1 byte (was reduced as one float32, 4 bytes) is refused before any run."""
+    with pytest.raises(SystemExit) as exc:
+        run_cli("allreduce", "--smoke", "--backends", "gloo", "--sizes-mb", size)
+    assert exc.value.code == 2 and "not a whole number of float32" in capsys.readouterr().err
+
+
+def test_sizes_in_whole_floats_are_taken():
+    from cs336_systems.bench.allreduce import float32_size_mb
+
+    assert float32_size_mb("0.25") == 0.25 and float32_size_mb("0.000004") == 4e-6 and float32_size_mb("1000") == 1000
