@@ -121,15 +121,16 @@ def compiling(launches: list) -> bool:
 
 def compiled(launches: list) -> bool:
     """Whether the kernel of every (launcher, arguments, constexprs) is compiled in this process: launched through
-    the JIT before, or compiled in the background without error (an autotuned launcher's background compile
-    compiles nothing: only its launches count)."""
+    the JIT before, or compiled in the background without error. Never for an autotuned launcher: its background
+    compile compiles nothing, and a new tuning key times every config again."""
     for launcher, args, constexprs in launches:
+        if getattr(launcher, "tuned", False):
+            return False
         spec = specialization(launcher.name, args, constexprs, launcher.plain)
         if spec in _LAUNCHED:
             continue
         in_flight = _IN_FLIGHT.get(spec)
-        if (getattr(launcher, "tuned", False) or in_flight is None or not in_flight.done() or in_flight.cancelled()
-                or in_flight.exception() is not None):
+        if in_flight is None or not in_flight.done() or in_flight.cancelled() or in_flight.exception() is not None:
             return False
     return True
 
