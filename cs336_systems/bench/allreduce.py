@@ -27,8 +27,7 @@ import time
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, \
-    torchrun_follower
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of
 from cs336_systems.bench.report import Output
 
 NAME = "allreduce"
@@ -144,11 +143,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
             if not isinstance(e, (WorkerError, TimeoutError)) and not joining:
                 raise
             print(f"[{NAME}] {backend} x {world_size}: {e}", file=sys.stderr)
-            if not torchrun_follower():
-                status = rank_failure_status(e)
-                for mb in todo:
-                    if mb not in written:
-                        rec.skip(fields[mb], status)
+            rec.skip_failed_ranks((fields[mb] for mb in todo if mb not in written), e)
             if joining:
                 raise
     return 0

@@ -41,8 +41,7 @@ from typing import Any
 
 from cs336_systems.bench import report
 from cs336_systems.bench.options import add_sized, nonnegative_int, positive_float, positive_int
-from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of, rank_failure_status, \
-    torchrun_follower
+from cs336_systems.bench.record import KEY_FIELDS, Recorder, Row, key_of
 from cs336_systems.bench.report import Output
 
 NAME = "ddp"
@@ -179,11 +178,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
         if not isinstance(e, (WorkerError, TimeoutError)) and place is None:
             raise
         print(f"[{NAME}] {e}", file=sys.stderr)
-        if not torchrun_follower():
-            status = rank_failure_status(e)
-            for i, fields in enumerate(todo):
-                if i not in written:
-                    rec.skip(fields, status)
+        rec.skip_failed_ranks((fields for i, fields in enumerate(todo) if i not in written), e)
         if place is not None:
             raise
     return 0

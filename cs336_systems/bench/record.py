@@ -358,6 +358,15 @@ class Recorder:
         """Record a measurement that was deliberately not run (e.g. "unsupported", "skipped: ...")."""
         return self.write({**self.base_row(fields), "status": status, **extra})
 
+    def skip_failed_ranks(self, unfinished: Iterable[Row], e: BaseException) -> None:
+        """A multi-rank run that failed with `e`: an error row (`rank_failure_status`) for each measurement it did not
+        finish; recorded by rank 0 only (a torchrun job's other ranks record nothing)."""
+        if torchrun_follower():
+            return
+        status = rank_failure_status(e)
+        for fields in unfinished:
+            self.skip(fields, status)
+
     def measure(self, fields: Row, fn: Callable[[], Row], flops: float | None = None) -> Row:
         """Run one measurement `fn() -> metrics`, record it (or its OOM / error), and return the row.
 
