@@ -313,10 +313,14 @@ def _autocast_device(t: object) -> str | None:
     return None
 
 
+def _checked_window(window: object) -> tuple[int, int]:
+    """`check_window`'s window; the default passes unchecked, except traced (dynamo cannot take `is` between
+    tuples once their ints are symbolic)."""
+    return check_window(window) if torch.compiler.is_compiling() or window is not NO_WINDOW else NO_WINDOW
+
+
 def _forward(ctx, Q, K, V, is_causal, scale, enable_gqa, deterministic, window, opts: KernelOptions):
-    # (traced, the window is always checked: dynamo cannot take `is` between tuples once their ints are symbolic)
-    if torch.compiler.is_compiling() or window is not NO_WINDOW:
-        window = check_window(window)
+    window = _checked_window(window)
     if torch._C._is_any_autocast_enabled() and (device := _autocast_device(Q)):
         # as SDPA under autocast: q, k, v in the autocast dtype, the attention itself computed without autocast
         dtype = torch.get_autocast_dtype(device)
@@ -559,7 +563,7 @@ def flash_attention_varlen(
     torch.compile(fullgraph=True) takes the call whole (opaque custom ops `cs336::flash_attn_varlen_fwd`/`_bwd`).
     """
     is_causal = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
-    window = check_window(window) if torch.compiler.is_compiling() or window is not NO_WINDOW else window
+    window = _checked_window(window)
     scale = check_scale(scale, q.shape[-1])
     deterministic = deterministic_flag(deterministic)
     check_head_dim(q.shape[-1])
