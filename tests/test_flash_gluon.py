@@ -304,6 +304,10 @@ FWD_CASES = {  # (batch, heads, kv_heads, n_q, n_k, d, dtype, config: None for t
     "three_groups": (1, 2, 2, 2048, 2048, 64, torch.bfloat16, (64, 128, 12, 2)),
     "three_groups_gqa_fewer_queries": (2, 4, 2, 1024, 2048, 64, torch.bfloat16, (64, 128, 12, 2)),
     "three_groups_d128": (1, 2, 2, 2048, 1024, 128, torch.bfloat16, (64, 64, 12, 2)),
+    # one consumer warpgroup (64-row query tiles, the turn passed to itself), two programs an SM
+    "one_group": (2, 4, 4, 512, 512, 64, torch.bfloat16, (64, 128, 4, 2)),
+    "one_group_gqa_fewer_queries": (2, 4, 2, 256, 1024, 64, torch.float16, (64, 64, 4, 3)),
+    "one_group_d128": (1, 2, 2, 1024, 2048, 128, torch.bfloat16, (64, 64, 4, 2)),
 }
 
 

@@ -1,5 +1,5 @@
 """The Gluon forward (`flash_fwd_gluon_kernel`): FlashAttention-3's warp-specialized schedule, a producer warp and
-two or three consumer warpgroups that take turns at the tensor cores (described below, above its device code), for
+one to three consumer warpgroups that take turns at the tensor cores (described below, above its device code), for
 dense, windowed and packed calls."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ REGS_3WG = gl.constexpr(160)
 # ----------------------------------------------------------------------------------------------
 #
 # One program per WARPGROUPS·BLOCK_M query rows: Q is loaded once, at the program's entry, and a one-warp
-# producer streams K and V tiles of BLOCK_N keys through a TMA ring; WARPGROUPS (2 or 3) consumer
+# producer streams K and V tiles of BLOCK_N keys through a TMA ring; WARPGROUPS (1 to 3) consumer
 # warpgroups own BLOCK_M query rows each and share every K/V tile. Per key tile j a consumer
 #     issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in its turn, hands the turn to the next warpgroup,
 #     waits for S_j (P_{j-1}·V_{j-1} may still run) and frees K_j, computes P_j = exp2(S_j·scale·log2 e - m_j),
@@ -257,7 +257,7 @@ def flash_fwd_gluon_kernel(
     WARPGROUPS: gl.constexpr, is_causal: gl.constexpr, HAS_WINDOW: gl.constexpr, IS_VARLEN: gl.constexpr,
     Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 2 or 3 consumer warpgroups) in `grouped_program`'s
+    """Grid (batch·heads, query tiles of WARPGROUPS·BLOCK_M, 1 to 3 consumer warpgroups) in `grouped_program`'s
     order (HEAD_GROUP, TAIL; a window's, the plain order), the longest causal tiles of a group first. Q, O: (B·H·Nq,
     D) views in BLOCK_M-row blocks (Nq a multiple of BLOCK_M); K, V: (B·Hkv·Nk, D) in BLOCK_N-row blocks; with
     Q_INSIDE (O then lies as Q), K_INSIDE, V_INSIDE that tensor is instead a (B·S, H·D) view of (B, S, H, D) memory,
@@ -337,7 +337,15 @@ def flash_fwd_gluon_kernel(
     for i in gl.static_range(WARPGROUPS):
         mbarrier.init(turn.index(i), count=1)
 
-    if WARPGROUPS == 2:
+    if WARPGROUPS == 1:
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
+                             L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,
+                             BLOCK_M, BLOCK_N, D, STAGES, is_causal, EDGES, IS_VARLEN, WARPGROUPS, 0)),
+            (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, kv_row + k_first,
+                             kv_col, v_row + k_first, v_col, n_tiles, BLOCK_N, STAGES)),
+        ], [1], [24])
+    elif WARPGROUPS == 2:
         gl.warp_specialize([
             (_fwd_consumer, (o_desc, O_ptr, q_smem, k_smem, v_smem, q_bar, ready_k, ready_v, empty_k, empty_v, turn,
                              L_ptr, q_row, q_col, l_row, q_start, k_first, n_tiles, n_q, N_HEADS * D, scale, band,

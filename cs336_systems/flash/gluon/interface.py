@@ -15,8 +15,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
-from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, \
-    SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs, row_stride
+from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, ONE_WARPGROUP_MAXNREG, QROWS_CONFIGS, \
+    SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs, row_stride
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
@@ -533,14 +533,15 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
     groups = warps // 4
-    if warps not in (8, 12):
-        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups (8 or 12 warps), got {warps} warps")
+    if warps not in (4, 8, 12):
+        raise ValueError(f"the Gluon forward runs 1 to 3 consumer warpgroups (4, 8 or 12 warps), got {warps} warps")
     if band is not None and n_q != n_k:
         raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
                          f"Nk {n_k}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=False, Q_INSIDE=heads_inside(q4),
-                      K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4)
+                      K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4,
+                      **({"maxnreg": ONE_WARPGROUP_MAXNREG} if groups == 1 else {}))
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     if band is None:
         group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
