@@ -619,6 +619,24 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     assert {n: constexprs[f"{n}_INSIDE"] for n in "QKV"} == dict(Q=True, K=False, V=True)
 
 
+@pytest.mark.parametrize("config, programs, maxnreg", [((64, 128, 12, 3), 3, None), ((64, 128, 8, 2), 4, None),
+                                                       ((64, 128, 4, 2), 8, 128)])
+def test_gluon_forward_plans_one_to_three_consumer_warpgroups(config, programs, maxnreg):
+    """Query tiles of warpgroups·BLOCK_M rows; one warpgroup launches at ONE_WARPGROUP_MAXNREG registers (a
+    compile option the cached launch does not pass as an argument); other warp counts are refused. CPU placeholders."""
+    from cs336_systems.flash.gluon import interface
+
+    q = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 512)
+    kernel, grid, _, constexprs, _ = interface._fwd_launch_plan((q, q, q, q, lse), True, config)
+    assert grid == (2, programs, 1) and constexprs["WARPGROUPS"] == config[2] // 4
+    assert constexprs.get("maxnreg") == maxnreg
+    assert [n for n in constexprs if n not in interface.COMPILE_OPTIONS] == [
+        p.name for p in kernel.params if p.is_constexpr]
+    with pytest.raises(ValueError, match="4, 8 or 12 warps"):
+        interface._fwd_launch_plan((q, q, q, q, lse), True, (64, 128, 6, 2))
+
+
 @pytest.mark.parametrize("qrows, single", [(False, True), (False, False), (True, False), (True, True)],
                          ids=["single-pass-keys", "kv-keys", "kv-qrows", "single-pass-qrows"])
 def test_gluon_dk_dv_passes_plan_heads_inside_tensors_where_they_lie(qrows, single):

@@ -67,6 +67,7 @@ class _Arg:
 
 
 _SCALE = object()  # the argument template's place for the call's softmax scale (a float no plan fixes)
+COMPILE_OPTIONS = frozenset({"maxnreg"})  # launch keywords among a plan's constexprs that only the compiler reads
 
 
 def _tiles(tensors: tuple, index: int, rows: int) -> _Tma:
@@ -190,7 +191,8 @@ class _Compiled:
 
     def __init__(self, run, grid: tuple, template: tuple, constexprs: dict, device: int):
         self.run, self.grid, self.template, self.device = run, grid, template, device
-        self.tail = tuple(constexprs.values())  # (the C launch takes the constexprs too, in the kernel's order)
+        # (the C launch takes the constexprs too, in the kernel's order; compile options are no arguments)
+        self.tail = tuple(value for name, value in constexprs.items() if name not in COMPILE_OPTIONS)
         metas = getattr(run.metadata, "tensordesc_meta", None)
         tmas = [a for a in template if a.__class__ is _Tma]
         raw = None
