@@ -493,14 +493,14 @@ def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seq
 
 
 def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
-                            band: tuple[int, int] | None):
+                            band: tuple[int, int] | None, config=None):
     """(kernel, grid, argument template, constexprs, cache key, call tensors) of a `packed_forward` launch: the call
     tensors add the slots, made on the device."""
     total_q, heads, d = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
-    block_m, block_n, warps, stages = FWD_CONFIGS[d]
-    groups = warps // 4
+    block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
+    groups = _fwd_warpgroups(warps)
     left, right = band if band is not None else (UNBOUNDED, 0 if is_causal else UNBOUNDED)
     tiles = packed_query_tiles(cu_seqlens_q, cu_seqlens_k, total_q, groups * block_m, is_causal)
     tensors = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, tiles)
@@ -511,20 +511,33 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
                 heads, heads)  # (head groups: unread)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, Q_INSIDE=False, K_INSIDE=False, V_INSIDE=False,
-                      num_warps=4)
-    key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
+                      num_warps=4, **_fwd_options(groups))
+    key = ("fwd_packed", q.device.index, grid, q.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
+           heads // kv_heads, total_q, total_k,
            band, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
            cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key, tensors
 
 
 def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
-                   band: tuple[int, int] | None = None, cached: bool = True) -> None:
+                   band: tuple[int, int] | None = None, cached: bool = True, config=None) -> None:
     """The forward over packed sequences, for tensors `packed_fwd_supported` accepted: O into o (packed like q), L
     (natural log) into lse, fp32 (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for
-    none."""
-    *planned, tensors = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, band)
+    none; config: (BLOCK_M, BLOCK_N, warps, stages), FWD_CONFIGS' by default."""
+    *planned, tensors = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, band, config)
     _launch(*planned, tensors, scale, cached)
+
+
+def _fwd_warpgroups(warps: int) -> int:
+    """The forward's consumer warpgroups for a config's warps."""
+    if warps not in (4, 8, 12):
+        raise ValueError(f"the Gluon forward runs 1 to 3 consumer warpgroups (4, 8 or 12 warps), got {warps} warps")
+    return warps // 4
+
+
+def _fwd_options(groups: int) -> dict:
+    """The forward's compile options: one warpgroup's register ceiling (`ONE_WARPGROUP_MAXNREG`)."""
+    return {"maxnreg": ONE_WARPGROUP_MAXNREG} if groups == 1 else {}
 
 
 def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, int] | None = None):
@@ -534,16 +547,13 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
-    groups = warps // 4
-    if warps not in (4, 8, 12):
-        raise ValueError(f"the Gluon forward runs 1 to 3 consumer warpgroups (4, 8 or 12 warps), got {warps} warps")
+    groups = _fwd_warpgroups(warps)
     if band is not None and n_q != n_k:
         raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
                          f"Nk {n_k}")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=False, Q_INSIDE=heads_inside(q4),
-                      K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4,
-                      **({"maxnreg": ONE_WARPGROUP_MAXNREG} if groups == 1 else {}))
+                      K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4, **_fwd_options(groups))
     grid = (batch * heads, -(-n_q // (groups * block_m)), 1)
     if band is None:
         group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
