@@ -22,7 +22,7 @@ SINGLE_PASS_CONFIGS = {64: (128, 128, 8, 2)}
 # at d 128, 128 keys × 64 queries (FlashAttention-3's d-128 tile; 226 KiB again)
 SINGLE_PASS_KEYS_CONFIGS = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
 # the forward: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys, consumer warps (4 per warpgroup:
-# 8 or 12), STAGES)
+# 4, 8 or 12), STAGES)
 FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's best (plans gluon_fwd, gluon_fwd128)
 # a forward of one consumer warpgroup launches at this register ceiling per thread (the consumer gets what the
 # producer's warpgroup leaves, ~232): two programs then share an SM, one's loads and stores under the other's matmuls
