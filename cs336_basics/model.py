@@ -46,23 +46,34 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
     return q_idx >= k_idx  # (Nq, Nk)
 
 
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dim of the scores that `mask` (bool, broadcastable, True = keep) keeps; a row that keeps
+    none gives zeros (and zero gradients), as F.scaled_dot_product_attention's rows do."""
+    if mask is None:
+        return softmax(scores, dim=-1)
+    scores = torch.where(mask, scores, float("-inf"))
+    # the row max and sum guarded (row-sized tensors, no extra full-size pass): a row of -inf exponentiates to zeros
+    peak = scores.amax(dim=-1, keepdim=True)  # (..., 1)
+    exp = torch.exp(scores - torch.where(peak == float("-inf"), 0.0, peak))
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp / torch.where(total > 0, total, 1.0)
+
+
 def scaled_dot_product_attention(
     Q: torch.Tensor,
     K: torch.Tensor,
     V: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Materialized softmax(Q K^T / sqrt(d)) V; `mask` is bool, True = keep.
+    """Materialized softmax(Q K^T / sqrt(d)) V; `mask` is bool, True = keep (`masked_softmax`: a query that keeps no
+    key gets zeros).
 
     Q: (..., Nq, d), K: (..., Nk, d), V: (..., Nk, dv), mask broadcastable to (..., Nq, Nk).
     Returns (..., Nq, dv).
     """
     d = Q.shape[-1]
     scores = Q @ K.transpose(-2, -1) / math.sqrt(d)  # (..., Nq, Nk)
-    if mask is not None:
-        fill = torch.tensor(max(-1e6, torch.finfo(scores.dtype).min), dtype=scores.dtype, device=scores.device)
-        scores = torch.where(mask, scores, fill)
-    probs = softmax(scores, dim=-1)  # (..., Nq, Nk)
+    probs = masked_softmax(scores, mask)  # (..., Nq, Nk)
     return probs @ V  # (..., Nq, dv)
 
 

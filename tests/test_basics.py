@@ -104,6 +104,26 @@ def test_attention_rectangular_mask_matches_torch(n_queries: int, n_keys: int) -
     assert torch.allclose(out, ref, atol=1e-12), f"rectangular masked attention off by {max_err(out, ref):.3e}"
 
 
+def test_attention_rows_that_keep_no_key_are_zero_as_torchs() -> None:
+    """A mask row of no key: zeros and zero gradients (F.scaled_dot_product_attention's answer), not the mean of V
+    that a large finite fill gives; the other rows as before."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = causal_mask(5, 5)
+    mask[1] = False  # query 1 keeps no key
+    mask[3, :2] = False
+    out = scaled_dot_product_attention(q, k, v, mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(out, ref, atol=1e-12), f"masked attention off by {max_err(out, ref):.3e}"
+    assert torch.equal(out[..., 1, :], torch.zeros_like(out[..., 1, :]))
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-12), (
+            f"d{name} off by {max_err(got, want):.3e}")
+
+
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
 def test_attention_low_precision_masked_is_finite(dtype: torch.dtype, atol: float) -> None:
     g = torch.Generator().manual_seed(4)
