@@ -7,7 +7,7 @@ the same kernels and ranges. Random weights and data as in `model`; per model si
 `--warmup` unprofiled steps, then `--steps` profiled ones, in `record_function` ranges "forward", and in
 step mode "train step" (all of it), "backward" and "optimizer step"; each phase synchronizes the device
 before its range closes, so a range lasts the phase's wall time. The model's naive attention is swapped
-for a copy in the handout's ranges "attention scores" (QK^T / sqrt(d), causal mask), "softmax" and "final
+for a copy in the handout's ranges "attention scores" (QK^T / sqrt(d)), "softmax" (the causal mask with it) and "final
 matmul" (forward kernels only: autograd runs the backward outside them). A kernel belongs to a range when
 the CPU op that launched it (kineto's correlation: `FunctionEvent.kernels`) started inside an instance of
 the range, on any thread (autograd's backward thread too). Per range a row records its kernels' ms per
