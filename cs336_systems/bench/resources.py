@@ -8,7 +8,8 @@ the target has them (sm_90 and newer, as the launcher does on such a GPU; `--no-
 Every kernel of `cs336_systems.flash_triton.KERNELS` (per autotune config) and of
 `cs336_systems.flash.gluon.GLUON_KERNELS` (its default config per head dim; sm_90 only) is compiled
 unless `--kernels` names some. The PTX goes through Triton's ptxas with -v. One row per (kernel,
-config): registers per thread, spill bytes, shared memory, the warps per SM the register file allows
+config): registers per thread, spill bytes, shared memory, the warps a CTA launches (the compiled kernel's: Triton
+pads a warp-specialized kernel's worker partitions to whole warpgroups), the warps per SM the register file allows
 (65,536 registers per SM), and ptxas's C75xx warnings ("Potential Performance Loss: wgmma.mma_async
 instructions are serialized"), which the PTX does not show: each wgmma then waits for the one before.
 Often a large slowdown (docs/design.md), not always (the forward's 128×128/4/3 config is
@@ -44,7 +45,8 @@ REGISTER_ALLOC_UNIT = 8  # registers per thread are allocated in steps of 8
 FIELDS = {"mode": str, "variant": str, "dtype": str, "n_heads": int, "seq_len": int, "d_head": int,
           "is_causal": bool, "target": str}
 OK_FIELDS = {"registers": int, "spill_store_bytes": int, "spill_load_bytes": int, "stack_bytes": int,
-             "shared_mem_bytes": int, "warps_per_sm_by_registers": int, "wgmma": bool}
+             "shared_mem_bytes": int, "warps_per_cta": int, "warps_per_sm_by_registers": int,
+             "wgmma": bool}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,7 +259,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> int:
                     constexprs = {**constexprs, **config.kwargs, "USE_TMA": tma}
                     constexprs.update(heuristic_constexprs(spec.autotuned, launch, constexprs))
                     _compile_row(rec, fields, spec.jit, launch, constexprs, config.num_warps, config.num_stages,
-                                 config.num_warps, args.arch)
+                                 args.arch)
     return 0
 
 
@@ -277,11 +279,11 @@ def _gluon_row(rec: Recorder, base: Row, name: str, dtype, args: argparse.Namesp
     fields = dict(base, variant=f"Q{block_m}xK{block_n}/w{cfg_warps}/s{stages}", q_tile=block_m, k_tile=block_n,
                   num_warps=warps, num_stages=stages, use_tma=True)
     if not rec.is_done(fields):
-        _compile_row(rec, fields, kernel, list(launch), constexprs, None, None, warps, args.arch)
+        _compile_row(rec, fields, kernel, list(launch), constexprs, None, None, args.arch)
 
 
 def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict, num_warps: int | None,
-                 num_stages: int | None, warps_per_cta: int, arch: int) -> None:
+                 num_stages: int | None, arch: int) -> None:
     """Compile one kernel configuration and record ptxas's report (or why it did not compile)."""
     from triton.compiler.errors import CompilationError
 
@@ -296,7 +298,8 @@ def _compile_row(rec: Recorder, fields: Row, fn, launch: list, constexprs: dict,
     rec.write({
         **rec.base_row(fields), **usage,
         "shared_mem_bytes": compiled.metadata.shared,
-        "warps_per_sm_by_registers": warps_per_sm(usage["registers"], warps_per_cta),
+        "warps_per_cta": compiled.metadata.num_warps,
+        "warps_per_sm_by_registers": warps_per_sm(usage["registers"], compiled.metadata.num_warps),
         "wgmma": "wgmma" in compiled.asm["ptx"],
         "hot_loops": hot_loops(sass),
         "hot_loops_issued": hot_loops_issued(sass),
@@ -309,7 +312,7 @@ def render(rows: list[Row], out: Output) -> list[str]:
     sections = []
     fields = ("target", "dtype", "n_heads", "seq_len", "d_head", "is_causal")
     headers = ["kernel", "config (tiles/warps/stages)", "TMA", "registers", "spill store/load B", "stack B",
-               "shared mem KiB", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized",
+               "shared mem KiB", "warps/CTA", "warps/SM (registers)", "wgmma", "ptxas: wgmma serialized",
                "hot loops (instr:LDL/STL)", "hot loops, issued a pass"]
 
     def tma(r: Row) -> str:  # rows before the TMA option compiled the block-pointer path
@@ -318,15 +321,18 @@ def render(rows: list[Row], out: Output) -> list[str]:
     for key, group in report.group_by(rows, fields):
         body = [
             [r["mode"], r["variant"], tma(r), r["registers"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
-             r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024), r["warps_per_sm_by_registers"],
+             r["stack_bytes"], report.fmt_num(r["shared_mem_bytes"] / 1024),
+             r.get("warps_per_cta", "not recorded"), r["warps_per_sm_by_registers"],
              r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded"),
              r.get("hot_loops", "not recorded") or "none", r.get("hot_loops_issued", "not recorded") or "none"]
-            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", "", ""]
+            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", "", "", ""]
             for r in group
         ]
         sections.append(
             f"## ptxas resources, {report.subtitle(fields, key)}\n\n"
-            "static compile, nothing timed; warps/SM counts whole CTAs that fit 65,536 registers; a C75xx code "
+            "static compile, nothing timed; warps/CTA: what the compiled kernel launches (rows without it counted a "
+            "warp-specialized kernel's partitions unpadded, so their warps/SM is off there); warps/SM counts whole "
+            "CTAs that fit 65,536 registers; a C75xx code "
             "in the serialized column means ptxas serializes the kernel's wgmmas (a potential, often large, loss); "
             "hot loops: the innermost loops holding matrix instructions, their instructions and local-memory "
             "loads/stores (spills paid every iteration); issued a pass: what one pass issues when the branches "

@@ -76,6 +76,11 @@ def test_resources_gluon_kernels_compile_without_serialized_wgmmas(tmp_path):
             continue
         assert r["status"] == "ok" and r["wgmma"] is True, r
         assert r["ptxas_warnings"] == "" and r["spill_store_bytes"] <= SPILL_ALLOWED.get(r["kernel"], 0), r
+        # the warps launched, worker partitions padded to whole warpgroups (the forward's producer warp to four)
+        assert r["warps_per_cta"] % 4 == 0 and r["warps_per_cta"] >= r["num_warps"], r
+        assert r["warps_per_sm_by_registers"] == resources_bench.warps_per_sm(r["registers"], r["warps_per_cta"]), r
+        if r["kernel"] == "flash_fwd_gluon" and r["d_head"] == 64:  # three consumer warpgroups and the producer's
+            assert (r["num_warps"], r["warps_per_cta"], r["warps_per_sm_by_registers"]) == (13, 16, 16), r
         loops = [tuple(map(int, loop.replace(":", "/").split("/"))) for loop in r["hot_loops"].split()]
         assert loops and max(stores for _, _, stores in loops) <= LOOP_STORES_ALLOWED.get(r["kernel"], 0), r
         assert min(stores for _, _, stores in loops) == 0, r

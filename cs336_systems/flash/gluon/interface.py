@@ -111,11 +111,13 @@ def _arguments(template: tuple, tensors: tuple, scale: float) -> tuple:
 
 
 def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, causal: bool):
-    """(kernel, positional arguments, constexprs, warps per CTA, config) of a launch of kernel `name` (a key
-    of GLUON_KERNELS) with its default config on contiguous (1, heads, seq, d) tensors, built as `forward` and
-    `kv_pass` build theirs (a `_window_gluon` kernel with a window of seq / 8 keys left of each query, and as many
-    right of it where not causal); the tensors are CPU placeholders, so that the kernel can be compiled without a
-    GPU (`cs336-bench resources`)."""
+    """(kernel, positional arguments, constexprs, warps its partitions ask for, config) of a launch of kernel
+    `name` (a key of GLUON_KERNELS) with its default config on contiguous (1, heads, seq, d) tensors, built as
+    `forward` and `kv_pass` build theirs (a `_window_gluon` kernel with a window of seq / 8 keys left of each
+    query, and as many right of it where not causal); the tensors are CPU placeholders, so that the kernel can be
+    compiled without a GPU (`cs336-bench resources`). A warp-specialized kernel launches more warps than its
+    partitions ask for (Triton pads the worker partitions to whole warpgroups): the compiled kernel's
+    `metadata.num_warps` says how many."""
     x = torch.empty(1, heads, seq, d, dtype=dtype)
     lse = torch.empty(heads, seq, dtype=torch.float32)
     band = (seq // 8, 0 if causal else seq // 8) if name.endswith("_window_gluon") else None  # (an eighth each side)
