@@ -44,9 +44,9 @@ REGISTERS_PER_SM = 65536
 REGISTER_ALLOC_UNIT = 8  # registers per thread are allocated in steps of 8
 FIELDS = {"mode": str, "variant": str, "dtype": str, "n_heads": int, "seq_len": int, "d_head": int,
           "is_causal": bool, "target": str}
+# (rows since the warps launched were read from the compiled kernel hold warps_per_cta too; older rows lack it)
 OK_FIELDS = {"registers": int, "spill_store_bytes": int, "spill_load_bytes": int, "stack_bytes": int,
-             "shared_mem_bytes": int, "warps_per_cta": int, "warps_per_sm_by_registers": int,
-             "wgmma": bool}
+             "shared_mem_bytes": int, "warps_per_sm_by_registers": int, "wgmma": bool}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -260,3 +260,18 @@ def test_an_unknown_problem_name_says_so(tmp_path, capsys):
     write_rows(tmp_path, "flash", [_flash_row("flash_triton", 0.5)])
     assert cli.main(["report", "--out", str(tmp_path), "--problems", "flsh"]) == 1
     assert "no problem or folder named 'flsh'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("problem", sorted(cli.PROBLEMS))
+def test_committed_rows_all_render(problem, capsys):
+    """Every row committed in runs/<problem>/metrics.jsonl matches its problem's schema today: a field made
+    required after rows without it were recorded would drop those rows from the committed tables."""
+    from pathlib import Path
+
+    from cs336_systems.bench import record
+
+    path = Path(__file__).resolve().parents[2] / "runs" / problem / "metrics.jsonl"
+    if not path.exists():
+        pytest.skip(f"no committed rows for {problem}")
+    rows = record.read_rows(path)
+    assert rows and len(record.valid_rows(rows, cli.PROBLEMS[problem], path)) == len(rows), capsys.readouterr().err
