@@ -605,7 +605,8 @@ def test_gluon_forward_plans_heads_inside_tensors_where_they_lie():
     v = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16).transpose(1, 2)
     lse = torch.empty(b * h, s)
     kernel, _, template, constexprs, key = interface._fwd_launch_plan((q, k, v, o, lse), True, None)
-    assert list(constexprs) == [p.name for p in kernel.params if p.is_constexpr]
+    assert [n for n in constexprs if n not in interface.COMPILE_OPTIONS] == [
+        p.name for p in kernel.params if p.is_constexpr]
     assert {n: constexprs[f"{n}_INSIDE"] for n in "QKV"} == dict(Q=False, K=False, V=True)
     args = interface._arguments(template, (q, k, v, o, lse), d ** -0.5)
     assert list(args[2].shape) == [b * s, h_kv * d] and list(args[2].strides) == [h_kv * d, 1]
@@ -635,6 +636,27 @@ def test_gluon_forward_plans_one_to_three_consumer_warpgroups(config, programs, 
         p.name for p in kernel.params if p.is_constexpr]
     with pytest.raises(ValueError, match="4, 8 or 12 warps"):
         interface._fwd_launch_plan((q, q, q, q, lse), True, (64, 128, 6, 2))
+
+
+@pytest.mark.parametrize("d, n_k, windowed, config", [
+    (64, 512, False, (64, 128, 4, 2)), (64, 1024, False, (64, 128, 4, 2)), (64, 2048, False, (64, 128, 12, 3)),
+    (64, 1024, True, (64, 128, 12, 3)), (128, 1024, False, (64, 64, 4, 2)), (128, 4096, False, (64, 128, 8, 2))])
+def test_gluon_forward_runs_one_warpgroup_over_short_key_loops(d, n_k, windowed, config):
+    """The dense forward's default config: one consumer warpgroup (two programs an SM) up to ONE_WARPGROUP_MAX_KEYS
+    keys without a window, FWD_CONFIGS' beyond and under a window; the launch plan takes it when none is given. CPU
+    placeholders."""
+    from cs336_systems.flash.gluon import configs, interface
+
+    assert configs.fwd_config(d, n_k, windowed) == config
+    q = torch.empty(1, 2, n_k, d, dtype=torch.bfloat16)
+    lse = torch.empty(2, n_k)
+    band = (n_k // 8, 0) if windowed else None
+    _, grid, _, constexprs, key = interface._fwd_launch_plan((q, q, q, q, lse), True, None, band)
+    block_m, block_n, warps, stages = config
+    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["WARPGROUPS"], constexprs["STAGES"]) == (
+        block_m, block_n, warps // 4, stages)
+    assert grid == (2, -(-n_k // (block_m * warps // 4)), 1) and (block_m, block_n, warps, stages) == key[5:9]
+    assert (constexprs.get("maxnreg") == configs.ONE_WARPGROUP_MAXNREG) == (warps == 4)
 
 
 @pytest.mark.parametrize("qrows, single", [(False, True), (False, False), (True, False), (True, True)],
@@ -709,8 +731,9 @@ def test_gluon_launch_keys_fix_every_constant_of_the_argument_template():
 
     def fixed(plan):
         kernel, grid, template, constexprs, key = plan[:5]
-        assert list(constexprs) == [p.name for p in kernel.params if p.is_constexpr]
-        assert len(template) == len(kernel.params) - len(constexprs)
+        positional = [n for n in constexprs if n not in interface.COMPILE_OPTIONS]  # (maxnreg: a compile option)
+        assert positional == [p.name for p in kernel.params if p.is_constexpr]
+        assert len(template) == len(kernel.params) - len(positional)
         values = tuple(a for a in template if a.__class__ not in (interface._Tma, interface._Arg)
                        and a is not interface._SCALE)
         return key, (grid, values, tuple(constexprs.items()))

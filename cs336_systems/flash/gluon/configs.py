@@ -27,6 +27,20 @@ FWD_CONFIGS = {64: (64, 128, 12, 3), 128: (64, 128, 8, 2)}  # the H200 sweep's b
 # a forward of one consumer warpgroup launches at this register ceiling per thread (the consumer gets what the
 # producer's warpgroup leaves, ~232): two programs then share an SM, one's loads and stores under the other's matmuls
 ONE_WARPGROUP_MAXNREG = 128
+# the dense forward's config up to ONE_WARPGROUP_MAX_KEYS keys: short key loops leave the three-warpgroup program's
+# Q load, pipeline fill and O store exposed, which a second program on the SM hides (H100, runs/ab/
+# gluon_fwd_short_one_warpgroup_756b132.jsonl: 0.84x at 32 x 16 x 512, 0.94x at 16 x 16 x 1024, d 128 0.85x at
+# 32 x 16 x 512; 1.15x at 4 x 16 x 4096, and 1.09x for packed documents, which keep FWD_CONFIGS)
+ONE_WARPGROUP_FWD_CONFIGS = {64: (64, 128, 4, 2), 128: (64, 64, 4, 2)}
+ONE_WARPGROUP_MAX_KEYS = 1024
+
+
+def fwd_config(d: int, n_k: int, windowed: bool) -> tuple[int, int, int, int]:
+    """The dense forward's config at a call of n_k keys (head dim d, a window or not): one consumer warpgroup over
+    short key loops without a window (measured there), else FWD_CONFIGS'."""
+    if n_k <= ONE_WARPGROUP_MAX_KEYS and not windowed:
+        return ONE_WARPGROUP_FWD_CONFIGS[d]
+    return FWD_CONFIGS[d]
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 GLUON_DTYPES = tuple(GL_DTYPES)  # the input dtypes the Gluon kernels take

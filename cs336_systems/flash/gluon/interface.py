@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
 from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, ONE_WARPGROUP_MAXNREG, QROWS_CONFIGS, \
-    SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS, heads_inside, kv_configs, row_stride
+    SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS, fwd_config, heads_inside, kv_configs, row_stride
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
@@ -548,7 +548,7 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     q4, k4, v4, o4, lse = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
-    block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
+    block_m, block_n, warps, stages = config or fwd_config(d, n_k, band is not None)
     groups = _fwd_warpgroups(warps)
     if band is not None and n_q != n_k:
         raise ValueError(f"the Gluon forward takes a window on self-attention only (Nq = Nk), got Nq {n_q}, "
@@ -576,8 +576,8 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
 def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
             band: tuple[int, int] | None = None) -> None:
     """O into o4 (q's shape and layout) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
-    tensors `fwd_supported` accepted with the same config. band: a sliding window's (`chooser.band`; Nq = Nk).
-    (A caller that plans its calls holds a `forward_launch` instead, which plans the launch once.)"""
+    tensors `fwd_supported` accepted with the same config (None: `fwd_config`'s for the call). band: a sliding
+    window's (`chooser.band`; Nq = Nk). (A caller that plans its calls holds a `forward_launch` instead, which plans the launch once.)"""
     tensors = (q4, k4, v4, o4, lse)
     _launch(*_fwd_launch_plan(tensors, is_causal, config, band), tensors, scale, cached)
 
