@@ -897,6 +897,20 @@ def test_attention_prewarm_collects_a_signatures_launches_without_running_them(f
     assert [launch._sibling_length(n) for n in (16, 40, 1024, 1025)] == [15, 48, 1023, 1040]
 
 
+@pytest.mark.parametrize("batch_heads, n, factor", [(32, 1024, 4), (32, 1000, 5), (256, 1024, 1), (32, 2048, 1),
+                                                    (1, 64, 32768)])
+def test_attention_prewarm_batch_of_the_one_warpgroup_forward(batch_heads, n, factor):
+    """The batch factor at which a call's own length runs the Gluon forward over short keys (one consumer warpgroup,
+    a config no longer length compiles, so `prewarm` compiles it there): the least that reaches GLUON_FWD_MIN_WORK;
+    1 where the call reaches it itself or its keys are past ONE_WARPGROUP_MAX_KEYS."""
+    from cs336_systems.flash import chooser, gluon, launch
+
+    assert launch._larger_batch(batch_heads, n, n) == factor
+    if n <= gluon.ONE_WARPGROUP_MAX_KEYS and factor > 1:
+        assert factor * batch_heads * n * n >= chooser.GLUON_FWD_MIN_WORK > (factor - 1) * batch_heads * n * n
+        assert gluon.fwd_config(64, n, False)[2] == 4  # (one warpgroup: 4 consumer warps)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sliding window (`window=(left, right)`): against a float64 band-mask reference.
 # ---------------------------------------------------------------------------------------------

@@ -772,13 +772,22 @@ def _collect(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return forward, launches
 
 
-def _maker(t: torch.Tensor, n: int) -> Callable[[], torch.Tensor]:
-    """A maker of empty tensors of t's dtype, device and layout (`empty_like`'s) with n positions along the sequence;
-    it holds nothing of t."""
-    shape, dtype, device = (*t.shape[:-2], n, t.shape[-1]), t.dtype, t.device
+def _maker(t: torch.Tensor, n: int, batch_factor: int = 1) -> Callable[[], torch.Tensor]:
+    """A maker of empty tensors of t's dtype, device and layout (`empty_like`'s) with n positions along the sequence
+    (and batch_factor times t's first dim); it holds nothing of t."""
+    shape, dtype, device = (t.shape[0] * batch_factor, *t.shape[1:-2], n, t.shape[-1]), t.dtype, t.device
     if gluon.heads_inside(t):
         return lambda: torch.empty(shape[0], n, shape[1], shape[3], dtype=dtype, device=device).transpose(1, 2)
     return lambda: torch.empty(shape, dtype=dtype, device=device)
+
+
+def _larger_batch(batch_heads: int, n_q: int, n_k: int) -> int:
+    """The factor on a call's batch from which a call of its lengths runs the Gluon forward's one-warpgroup config
+    (`gluon.fwd_config`, up to ONE_WARPGROUP_MAX_KEYS keys), which no longer length compiles ahead; 1 where the call
+    runs it itself or no batch does (longer keys)."""
+    if n_k > gluon.ONE_WARPGROUP_MAX_KEYS:
+        return 1
+    return max(1, -(-chooser.GLUON_FWD_MIN_WORK // max(batch_heads * n_q * n_k, 1)))
 
 
 def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, opts: KernelOptions,
@@ -791,7 +800,9 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         of 16, or not): Triton specializes kernels on it (kernels that do not specialize ran slower steps on the
         H200), so a new length of the other class finds its kernels compiled (or in flight);
       - after those, where the signature can run Gluon kernels (sm_90, 16-bit, a layout they take), every kernel its
-        batch and heads run at each of `chooser.gluon_lengths`: a longer call finds them compiled.
+        batch and heads run at each of `chooser.gluon_lengths`: a longer call finds them compiled; and at its own
+        length, what a batch large enough for the Gluon forward runs (`_larger_batch`: that forward's config over
+        short keys is one no longer length runs).
     A call whose Gluon kernel is still compiling in the background runs the Triton kernels instead where they are all
     compiled (`_compiled_instead`); any other launch whose kernel is still compiling waits for it. A dO of another
     layout compiles at its first launch, as does every call whose q exceeds PREWARM_MAX_BYTES (and the Gluon kernels
@@ -806,9 +817,13 @@ def prewarm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     background.submit(own, q.device)
     makers = [[_maker(t, _sibling_length(t.shape[-2])) for t in (q, k, v)]]
     if q.dtype in gluon.GLUON_DTYPES and window == NO_WINDOW:
-        for n in chooser.gluon_lengths(q.numel() // (q.shape[-2] * q.shape[-1]), q.shape[-1], is_causal):
+        batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
+        for n in chooser.gluon_lengths(batch_heads, q.shape[-1], is_causal):
             if q.numel() // q.shape[-2] * n * q.element_size() <= PREWARM_MAX_BYTES:
                 makers.append([_maker(t, n) for t in (q, k, v)])  # (k, v at n too: a self-attention call)
+        factor = _larger_batch(batch_heads, q.shape[-2], k.shape[-2])
+        if factor > 1 and q.numel() * factor * q.element_size() <= PREWARM_MAX_BYTES:
+            makers.append([_maker(t, t.shape[-2], factor) for t in (q, k, v)])
     device = q.device  # (not q itself: nothing of the call is held until these start)
 
     def ahead() -> None:

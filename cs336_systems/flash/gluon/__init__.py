@@ -82,8 +82,8 @@ Layout (FlashAttention-4's `flash_attn/cute/`: a host interface, one kernel per 
 own, the device code of several kernels in a module of its own, the tile order's heuristics as small functions):
 
   __init__               this overview, and the host interface the project uses (re-exported from the modules below)
-  configs                the tile configs per kernel and head dim; `supported`, `fwd_supported`, `packed_supported`,
-                         `packed_fwd_supported`
+  configs                the tile configs per kernel and head dim, the dense forward's per call (`fwd_config`);
+                         `supported`, `fwd_supported`, `packed_supported`, `packed_fwd_supported`
   heuristics             the order programs start in: `head_groups`, `wave_groups`, `wave_tail_groups` (`wave_size`,
                          `tail_group`), `kv_head_groups`, `fwd_head_groups`
   interface              the launches: argument templates over the call's tensors, the compiled launches per signature
@@ -104,8 +104,9 @@ re-exported here: a copy on the package would take a patch that the launches nev
 """
 
 from cs336_systems.flash.gluon.configs import (
-    CONFIGS, FWD_CONFIGS, GLUON_DTYPES, MAX_SLOTS, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS,
-    fwd_supported, heads_inside, packed_fwd_supported, packed_supported, row_stride, supported,
+    CONFIGS, FWD_CONFIGS, GLUON_DTYPES, MAX_SLOTS, ONE_WARPGROUP_MAX_KEYS, QROWS_CONFIGS, SINGLE_PASS_CONFIGS,
+    SINGLE_PASS_KEYS_CONFIGS, fwd_config, fwd_supported, heads_inside, packed_fwd_supported, packed_supported,
+    row_stride, supported,
 )
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
@@ -118,10 +119,11 @@ from cs336_systems.flash.gluon.interface import (
 )
 
 __all__ = [
-    "CONFIGS", "FWD_CONFIGS", "GLUON_DTYPES", "GLUON_KERNELS", "L2_SHARE", "MAX_SLOTS", "PACKED_TAIL", "QROWS_CONFIGS",
-    "SINGLE_PASS_CONFIGS", "SINGLE_PASS_KEYS_CONFIGS", "TAIL_WORK", "UNBOUNDED", "Launch", "example_launch",
-    "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel", "flash_bwd_single_keys_gluon_kernel",
-    "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_supported", "head_groups", "heads_inside", "kv_launch",
-    "kv_pass", "launch_cache_size", "packed_forward", "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass",
-    "packed_query_tiles", "packed_rows", "packed_supported", "row_stride", "supported", "wave_groups",
+    "CONFIGS", "FWD_CONFIGS", "GLUON_DTYPES", "GLUON_KERNELS", "L2_SHARE", "MAX_SLOTS", "ONE_WARPGROUP_MAX_KEYS",
+    "PACKED_TAIL", "QROWS_CONFIGS", "SINGLE_PASS_CONFIGS", "SINGLE_PASS_KEYS_CONFIGS", "TAIL_WORK", "UNBOUNDED",
+    "Launch", "example_launch", "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel",
+    "flash_bwd_single_keys_gluon_kernel", "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_config",
+    "fwd_supported", "head_groups", "heads_inside", "kv_launch", "kv_pass", "launch_cache_size", "packed_forward",
+    "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass", "packed_query_tiles", "packed_rows",
+    "packed_supported", "row_stride", "supported", "wave_groups",
 ]

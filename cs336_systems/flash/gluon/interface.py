@@ -577,7 +577,8 @@ def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cac
             band: tuple[int, int] | None = None) -> None:
     """O into o4 (q's shape and layout) and L (natural log) into lse (contiguous (B·H, Nq) fp32) for
     tensors `fwd_supported` accepted with the same config (None: `fwd_config`'s for the call). band: a sliding
-    window's (`chooser.band`; Nq = Nk). (A caller that plans its calls holds a `forward_launch` instead, which plans the launch once.)"""
+    window's (`chooser.band`; Nq = Nk). (A caller that plans its calls holds a `forward_launch` instead, which plans
+    the launch once.)"""
     tensors = (q4, k4, v4, o4, lse)
     _launch(*_fwd_launch_plan(tensors, is_causal, config, band), tensors, scale, cached)
 
