@@ -325,7 +325,7 @@ def render(rows: list[Row], out: Output) -> list[str]:
              r.get("warps_per_cta", "not recorded"), r["warps_per_sm_by_registers"],
              r["wgmma"], r.get("ptxas_warnings") or ("no" if "ptxas_warnings" in r else "not recorded"),
              r.get("hot_loops", "not recorded") or "none", r.get("hot_loops_issued", "not recorded") or "none"]
-            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], "", "", "", "", "", "", "", "", ""]
+            if r["status"] == "ok" else [r["mode"], r["variant"], tma(r), r["status"], *[""] * (len(headers) - 4)]
             for r in group
         ]
         sections.append(
