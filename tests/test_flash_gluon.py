@@ -984,6 +984,37 @@ def test_gluon_kernels_compiled_ahead_for_longer_calls():
 
 
 @pytest.mark.gpu
+def test_gluon_forward_of_a_larger_batch_compiled_ahead():
+    """A signature's first call of 1024 keys, short enough for the Triton kernels, compiles in the background what a
+    batch large enough for the Gluon forward runs at its length (`launch._larger_batch`: the forward's one-warpgroup
+    config, which no longer length runs): the first call of that batch then compiles nothing (fp16, full attention,
+    d 64, 8 heads: a signature no other test here runs first)."""
+    from cs336_systems.flash import chooser, launch, triton_kernels
+    from cs336_systems.flash.gluon import flash_bwd_kv, flash_bwd_kv_qrows, flash_bwd_single_keys, flash_fwd
+    from cs336_systems.flash_triton import flash_attention
+
+    modules = (flash_fwd, flash_bwd_kv, flash_bwd_kv_qrows, flash_bwd_single_keys, triton_kernels)
+    kernels = [kernel for module in modules for kernel in vars(module).values()
+               if hasattr(kernel, "device_caches")]
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+
+    b, h, n, d = 2, 8, 1024, 64
+    factor = launch._larger_batch(b * h, n, n)
+    assert factor > 1
+    for batch in (b, b * factor):
+        q, k, v = (randn_cuda(batch, h, n, d, seed=70 + i, dtype=torch.float16).requires_grad_() for i in range(3))
+        flash_attention(q, k, v, False).sum().backward()
+        if batch == b:
+            launch.wait_for_background_compiles()
+            before = compiled()
+    ran = [(key[0][0], plan.design) for key, plan in launch._FORWARD_PLANS.items()]
+    assert ((b * factor, h, n, d), chooser.Forward.GLUON) in ran, "the larger batch must run the Gluon forward"
+    assert compiled() == before, "the larger batch compiled a kernel at its first launch"
+
+
+@pytest.mark.gpu
 def test_a_call_runs_compiled_triton_kernels_while_its_gluon_kernel_compiles(monkeypatch):
     """A new length whose backward is the Gluon single pass while that kernel still compiles in the background (as
     `prewarm` sent it at a longer length): the call runs the Triton kernels it has compiled, at once and with their
