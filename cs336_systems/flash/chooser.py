@@ -11,7 +11,7 @@ Routing (sm_90 = Hopper; work = batch·heads·Nq·Nk, visible work = half of it 
   packed sequences otherwise                        | TRITON (unsplit)
   work >= GLUON_FWD_MIN_WORK (under a window: the
   band's, self-attention), sm_90, 16-bit, d 64/128,
-  a layout Gluon takes                              | GLUON
+  a layout Gluon takes                              | GLUON (one consumer warpgroup up to 1024 keys unwindowed)
   a sliding window (`band` not None) otherwise      | TRITON (unsplit)
   short grid (few heads × long sequences)           | TRITON_SPLIT (keys split, then merged)
   otherwise                                         | TRITON
