@@ -495,13 +495,13 @@ def packed_kv_pass(q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seq
 
 
 def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool,
-                            band: tuple[int, int] | None, config=None):
+                            band: tuple[int, int] | None):
     """(kernel, grid, argument template, constexprs, cache key, call tensors) of a `packed_forward` launch: the call
     tensors add the slots, made on the device."""
     total_q, heads, d = q.shape
     total_k, kv_heads, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
-    block_m, block_n, warps, stages = config or FWD_CONFIGS[d]
+    block_m, block_n, warps, stages = FWD_CONFIGS[d]  # (the slots `packed_fwd_supported` counted)
     groups = _fwd_warpgroups(warps)
     left, right = band if band is not None else (UNBOUNDED, 0 if is_causal else UNBOUNDED)
     tiles = packed_query_tiles(cu_seqlens_q, cu_seqlens_k, total_q, groups * block_m, is_causal)
@@ -514,19 +514,19 @@ def _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_caus
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, WARPGROUPS=groups, is_causal=is_causal,
                       HAS_WINDOW=band is not None, IS_VARLEN=True, Q_INSIDE=False, K_INSIDE=False, V_INSIDE=False,
                       num_warps=4, **_fwd_options(groups))
-    key = ("fwd_packed", q.device.index, grid, q.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
-           heads // kv_heads, total_q, total_k,
+    key = ("fwd_packed", q.device.index, grid, q.dtype, d, is_causal, heads, heads // kv_heads, total_q, total_k,
            band, lse.data_ptr() % 16 == 0, cu_seqlens_q.data_ptr() % 16 == 0,
            cu_seqlens_k.data_ptr() % 16 == 0)  # (as `_packed_launch_plan`'s)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key, tensors
 
 
 def packed_forward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal: bool, scale: float,
-                   band: tuple[int, int] | None = None, cached: bool = True, config=None) -> None:
+                   band: tuple[int, int] | None = None, cached: bool = True) -> None:
     """The forward over packed sequences, for tensors `packed_fwd_supported` accepted: O into o (packed like q), L
     (natural log) into lse, fp32 (H, total_q); band: a window's (`chooser.band` at the longest sequences), None for
-    none; config: (BLOCK_M, BLOCK_N, warps, stages), FWD_CONFIGS' by default."""
-    *planned, tensors = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, band, config)
+    none. Its config is FWD_CONFIGS' (one consumer warpgroup's 64-row slots lost to the 192-row ones:
+    docs/design.md)."""
+    *planned, tensors = _packed_fwd_launch_plan(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, is_causal, band)
     _launch(*planned, tensors, scale, cached)
 
 
