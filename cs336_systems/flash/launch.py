@@ -782,10 +782,10 @@ def _maker(t: torch.Tensor, n: int, batch_factor: int = 1) -> Callable[[], torch
 
 
 def _larger_batch(batch_heads: int, n_q: int, n_k: int) -> int:
-    """The factor on a call's batch from which a call of its lengths runs the Gluon forward's one-warpgroup config
-    (`gluon.fwd_config`, up to ONE_WARPGROUP_MAX_KEYS keys), which no longer length compiles ahead; 1 where the call
-    runs it itself or no batch does (longer keys)."""
-    if n_k > gluon.ONE_WARPGROUP_MAX_KEYS:
+    """The factor on a call's batch (no window) from which a call of its lengths runs the Gluon forward's
+    one-warpgroup config (`gluon.one_warpgroup_fwd`), which no longer length compiles ahead; 1 where the call runs it
+    itself or no batch does (longer keys)."""
+    if not gluon.one_warpgroup_fwd(n_k, windowed=False):
         return 1
     return max(1, -(-chooser.GLUON_FWD_MIN_WORK // max(batch_heads * n_q * n_k, 1)))
 

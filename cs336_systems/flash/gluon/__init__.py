@@ -105,8 +105,8 @@ re-exported here: a copy on the package would take a patch that the launches nev
 
 from cs336_systems.flash.gluon.configs import (
     CONFIGS, FWD_CONFIGS, GLUON_DTYPES, MAX_SLOTS, ONE_WARPGROUP_MAX_KEYS, QROWS_CONFIGS, SINGLE_PASS_CONFIGS,
-    SINGLE_PASS_KEYS_CONFIGS, fwd_config, fwd_supported, heads_inside, packed_fwd_supported, packed_supported,
-    row_stride, supported,
+    SINGLE_PASS_KEYS_CONFIGS, fwd_config, fwd_supported, heads_inside, one_warpgroup_fwd, packed_fwd_supported,
+    packed_supported, row_stride, supported,
 )
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
@@ -123,7 +123,7 @@ __all__ = [
     "PACKED_TAIL", "QROWS_CONFIGS", "SINGLE_PASS_CONFIGS", "SINGLE_PASS_KEYS_CONFIGS", "TAIL_WORK", "UNBOUNDED",
     "Launch", "example_launch", "flash_bwd_kv_gluon_kernel", "flash_bwd_kv_qrows_gluon_kernel",
     "flash_bwd_single_keys_gluon_kernel", "flash_fwd_gluon_kernel", "forward", "forward_launch", "fwd_config",
-    "fwd_supported", "head_groups", "heads_inside", "kv_launch", "kv_pass", "launch_cache_size", "packed_forward",
-    "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass", "packed_query_tiles", "packed_rows",
-    "packed_supported", "row_stride", "supported", "wave_groups",
+    "fwd_supported", "head_groups", "heads_inside", "kv_launch", "kv_pass", "launch_cache_size", "one_warpgroup_fwd",
+    "packed_forward", "packed_fwd_supported", "packed_key_tiles", "packed_kv_pass", "packed_query_tiles",
+    "packed_rows", "packed_supported", "row_stride", "supported", "wave_groups",
 ]

@@ -35,12 +35,16 @@ ONE_WARPGROUP_FWD_CONFIGS = {64: (64, 128, 4, 2), 128: (64, 64, 4, 2)}
 ONE_WARPGROUP_MAX_KEYS = 1024
 
 
+def one_warpgroup_fwd(n_k: int, windowed: bool) -> bool:
+    """Whether a dense forward of n_k keys (a window or not) runs one consumer warpgroup: short key loops without a
+    window (measured there)."""
+    return n_k <= ONE_WARPGROUP_MAX_KEYS and not windowed
+
+
 def fwd_config(d: int, n_k: int, windowed: bool) -> tuple[int, int, int, int]:
-    """The dense forward's config at a call of n_k keys (head dim d, a window or not): one consumer warpgroup over
-    short key loops without a window (measured there), else FWD_CONFIGS'."""
-    if n_k <= ONE_WARPGROUP_MAX_KEYS and not windowed:
-        return ONE_WARPGROUP_FWD_CONFIGS[d]
-    return FWD_CONFIGS[d]
+    """The dense forward's config at a call of n_k keys (head dim d, a window or not): ONE_WARPGROUP_FWD_CONFIGS'
+    where `one_warpgroup_fwd`, else FWD_CONFIGS'."""
+    return ONE_WARPGROUP_FWD_CONFIGS[d] if one_warpgroup_fwd(n_k, windowed) else FWD_CONFIGS[d]
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 GLUON_DTYPES = tuple(GL_DTYPES)  # the input dtypes the Gluon kernels take
