@@ -98,8 +98,13 @@ def grouped_program(HEAD_GROUP, TAIL):
     instead of all heads'; a large enough last group keeps its longest programs from running alone at the end.
     With HEAD_GROUP = TAIL = heads: tile 0 of every head first."""
     heads = gl.num_programs(0)
-    tiles = gl.num_programs(1)
-    lin = gl.program_id(0) + gl.program_id(1) * heads
+    return grouped_item(gl.program_id(0) + gl.program_id(1) * heads, heads, gl.num_programs(1), HEAD_GROUP, TAIL)
+
+
+@gluon.jit
+def grouped_item(lin, heads, tiles, HEAD_GROUP, TAIL):
+    """(head, tile) of work item `lin` of heads × tiles in `grouped_program`'s order (a persistent program's items
+    take the order the programs of a grid start in)."""
     if lin < (heads - TAIL) * tiles:
         first = lin // (HEAD_GROUP * tiles) * HEAD_GROUP
         size = HEAD_GROUP

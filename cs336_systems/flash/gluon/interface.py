@@ -21,6 +21,7 @@ from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
 from cs336_systems.flash.gluon.flash_fwd import flash_fwd_gluon_kernel
+from cs336_systems.flash.gluon.flash_fwd_persistent import flash_fwd_persistent_gluon_kernel
 from cs336_systems.flash.gluon.heuristics import fwd_head_groups, kv_head_groups
 
 
@@ -571,6 +572,49 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail,
            *(row_stride(t) for t in (q4, k4, v4, o4)))  # (the grid: `_kv_launch_plan`)
     return flash_fwd_gluon_kernel, grid, template, constexprs, key
+
+
+# resident programs of the persistent forward per SM (its one consumer warpgroup's register ceiling,
+# ONE_WARPGROUP_MAXNREG, leaves room for two)
+PERSISTENT_PROGRAMS_PER_SM = 2
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config):
+    """`_fwd_launch_plan` for the persistent forward (`flash_fwd_persistent_gluon_kernel`, one consumer warpgroup:
+    config (BLOCK_M, BLOCK_N, 4, STAGES)): a grid of PERSISTENT_PROGRAMS_PER_SM programs per SM (at most one per
+    query tile; one per tile without a device, a CPU compile)."""
+    q4, k4, v4, o4, lse = tensors
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    block_m, block_n, warps, stages = config
+    if warps != 4:
+        raise ValueError(f"the persistent Gluon forward runs one consumer warpgroup (4 warps), got {warps} warps")
+    if heads_inside(o4) != heads_inside(q4):
+        raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
+                      Q_INSIDE=heads_inside(q4), K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4,
+                      **_fwd_options(1))
+    items = batch * heads * (n_q // block_m)
+    device = q4.device.index if q4.is_cuda else None
+    programs = items if device is None else min(items, PERSISTENT_PROGRAMS_PER_SM * _sm_count(device))
+    grid = (max(programs, 1), 1, 1)
+    group, tail = fwd_head_groups(q4, k4, is_causal, block_m, block_n)
+    rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
+    tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
+    template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, batch * heads, group, tail)
+    key = ("pfwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, stages, is_causal, heads, heads // kv_heads,
+           n_q, n_k, lse.data_ptr() % 16 == 0, group, tail, *(row_stride(t) for t in (q4, k4, v4, o4)))
+    return flash_fwd_persistent_gluon_kernel, grid, template, constexprs, key
+
+
+def persistent_forward_launch(is_causal: bool, config, cached: bool = True) -> Launch:
+    """The persistent forward's launches at one call signature (as `forward_launch`'s)."""
+    return Launch(lambda tensors: _pfwd_launch_plan(tensors, is_causal, config), cached)
 
 
 def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,

@@ -1,0 +1,202 @@
+"""The persistent Gluon forward (`flash_fwd_persistent_gluon_kernel`): the dense forward's one-consumer-warpgroup
+schedule with a fixed grid of programs, each looping over query tiles, so that a short call's next tile (its Q and
+first K and V) loads under the current tile's matmuls instead of at a new program's start."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_item, head_tile, kv_tiles_at
+from cs336_systems.flash.gluon.flash_fwd import LN2, fwd_softmax
+
+# ----------------------------------------------------------------------------------------------
+# The persistent forward: one consumer warpgroup, a producer warp, a grid of resident programs
+# ----------------------------------------------------------------------------------------------
+#
+# Program p takes work items p, p + G, p + 2G, ... (G programs; item w is (batch·head, query tile) in
+# `grouped_item`'s order, the longest causal tiles of a head group first). Both partitions walk the same items:
+#
+#   producer (1 warp)   Q_i into buffer i % 2 | K, V tiles of item i through the ring | Q_{i+1} | K, V of i+1 ...
+#   consumer (4 warps)  wait Q_i | S, P, O over item i's key tiles | O_i out through Q_i's buffer | wait Q_{i+1} ...
+#
+# The ring's stages and phases count key tiles over all of a program's items (c), so the producer streams the next
+# item's Q, K and V while the consumer is still on the current one: a short tile's load latency, paid once per
+# program in the one-program-per-tile grid, hides under the previous tile's matmuls.
+#
+# Barriers (phase of use k is k & 1; a fresh barrier counts as having completed the phase before 0):
+#   q_ready[b]   producer -> consumer: Q of the item in buffer b     q_empty[b]  consumer -> producer: buffer b free
+#                                                                                (O stored from it)
+#   ready_k[s], ready_v[s]  producer -> consumer: K, V in stage s    empty_k[s], empty_v[s]  consumer -> producer
+#   turn         the consumer's hand-off to itself per key tile: its wait keeps the wait for P·V after the
+#                exponentials (as in the one-program-per-tile forward with one warpgroup)
+
+
+@gluon.jit
+def _item(w, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, D: gl.constexpr, is_causal: gl.constexpr, Q_INSIDE: gl.constexpr,
+          K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr):
+    """Work item w: (batch·head, its first query, Q's (row, column), K's, V's, its key tiles)."""
+    batch_head, step = grouped_item(w, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL)
+    if is_causal:
+        q_start = (N_Q_TILES - 1 - step) * BLOCK_M
+        n_tiles = gl.cdiv(gl.minimum(q_start + BLOCK_M, N_KEYS), BLOCK_N)  # top-left: up to the tile's last query
+    else:
+        q_start = step * BLOCK_M
+        n_tiles = N_KEYS // BLOCK_N
+    q_row, q_col = head_tile(batch_head, 0, q_start, N_HEADS, N_QUERIES, D, Q_INSIDE)
+    k_row, k_col, v_row, v_col = kv_tiles_at(batch_head, 0, N_HEADS, KV_GROUP, N_KEYS, D, K_INSIDE, V_INSIDE)
+    return batch_head, q_start, q_row, q_col, k_row, k_col, v_row, v_col, n_tiles
+
+
+@gluon.jit
+def _pfwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k,
+                   empty_v, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr):
+    c = 0  # key tiles streamed so far
+    i = 0  # items
+    for w in range(gl.program_id(0), BATCH_HEADS * N_Q_TILES, gl.num_programs(0)):
+        _, _, q_row, q_col, k_row, k_col, v_row, v_col, n_tiles = _item(
+            w, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, BLOCK_M, BLOCK_N, D,
+            is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)
+        b = i % 2
+        mbarrier.wait(q_empty.index(b), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready.index(b), q_smem.index(b))
+        for j in range(n_tiles):
+            t = c + j
+            s = t % STAGES
+            phase = ((t // STAGES) & 1) ^ 1
+            mbarrier.wait(empty_k.index(s), phase)
+            mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], ready_k.index(s), k_smem.index(s))
+            mbarrier.wait(empty_v.index(s), phase)
+            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], ready_v.index(s), v_smem.index(s))
+        c += n_tiles
+        i += 1
+
+
+@gluon.jit
+def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k, empty_v, turn,
+                   scale, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr):
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    qk_scale = scale * LOG2E
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    no_band = (0, 0, 0)  # (fwd_softmax's band: unused without EDGES)
+
+    mbarrier.arrive(turn)  # the first tile's turn
+    c = 0
+    i = 0
+    for w in range(gl.program_id(0), BATCH_HEADS * N_Q_TILES, gl.num_programs(0)):
+        batch_head, first, q_row, q_col, _, _, _, _, n = _item(
+            w, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, BLOCK_M, BLOCK_N, D,
+            is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)
+        b = i % 2
+        q_tile = q_smem.index(b)
+        offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        mbarrier.wait(q_ready.index(b), (i // 2) & 1)
+
+        # the item's first key tile: S only (there is no P·V before it)
+        s0 = c % STAGES
+        mbarrier.wait(turn, c & 1)
+        mbarrier.wait(ready_k.index(s0), (c // STAGES) & 1)
+        sc = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.arrive(turn)
+        sc = warpgroup_mma_wait(0, deps=(sc, ))
+        mbarrier.arrive(empty_k.index(s0))
+        p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal, no_band,
+                                         False, False)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(turn, (c + 1) & 1, pred=n > 1)
+        for j in range(1, n):
+            t = c + j
+            s = t % STAGES
+            sp = (t - 1) % STAGES
+            mbarrier.wait(ready_k.index(s), (t // STAGES) & 1)
+            sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(ready_v.index(sp), ((t - 1) // STAGES) & 1)
+            o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
+            mbarrier.arrive(turn)
+            sc = warpgroup_mma_wait(1, deps=(sc, ))
+            mbarrier.arrive(empty_k.index(s))  # K_t read
+            p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal,
+                                             no_band, False, False)
+            mbarrier.wait(turn, (t + 1) & 1, pred=j + 1 < n)
+            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+            mbarrier.arrive(empty_v.index(sp))  # V_{t-1} read
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        tl = c + n - 1
+        sl = tl % STAGES
+        mbarrier.wait(ready_v.index(sl), (tl // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
+        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        mbarrier.arrive(empty_v.index(sl))
+
+        o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        gl.store(L_ptr + batch_head * N_QUERIES + offs_m, (m_i + gl.log2(l_i)) * LN2)
+        # O out through Q's buffer (its matmuls done); the buffer is the producer's again once the store has read it
+        q_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row, q_col], q_tile)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(b))
+        c += n
+        i += 1
+
+
+@gluon.jit(do_not_specialize=BY_LENGTH + ("BATCH_HEADS", ))
+def flash_fwd_persistent_gluon_kernel(
+    q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, BATCH_HEADS, HEAD_GROUP, TAIL,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
+    Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (programs,): BATCH_HEADS × (N_QUERIES / BLOCK_M) work items, item w of a program every grid's width,
+    in `grouped_item`'s order (HEAD_GROUP, TAIL). Views and L as `flash_fwd_gluon_kernel`'s dense call (Nq a multiple
+    of BLOCK_M, Nk of BLOCK_N; Q_INSIDE, K_INSIDE, V_INSIDE: a (B·S, H·D) view of (B, S, H, D) memory, O as Q)."""
+    dtype: gl.constexpr = q_desc.dtype
+    N_Q_TILES = N_QUERIES // BLOCK_M
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_k.index(i), count=1)
+        mbarrier.init(ready_v.index(i), count=1)
+        mbarrier.init(empty_k.index(i), count=1)
+        mbarrier.init(empty_v.index(i), count=1)
+    mbarrier.init(turn, count=1)
+
+    gl.warp_specialize([
+        (_pfwd_consumer, (o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k, empty_v,
+                          turn, scale, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
+                          BLOCK_M, BLOCK_N, D, STAGES, is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)),
+        (_pfwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k,
+                          empty_v, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
+                          BLOCK_M, BLOCK_N, D, STAGES, is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)),
+    ], [1], [24])
