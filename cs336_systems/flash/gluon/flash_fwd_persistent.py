@@ -84,7 +84,8 @@ def _pfwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
 def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k, empty_v, turn,
                    scale, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                   is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr):
+                   is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr,
+                   DEFER_STORE: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -118,6 +119,10 @@ def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, read
         mbarrier.wait(ready_k.index(s0), (c // STAGES) & 1)
         sc = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.arrive(turn)
+        if DEFER_STORE:  # the previous item's O store, issued before this item began, has read its buffer by now
+            if i > 0:
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(q_empty.index(1 - b))
         sc = warpgroup_mma_wait(0, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s0))
         p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal, no_band,
@@ -155,17 +160,21 @@ def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, read
         q_tile.store(o.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [q_row, q_col], q_tile)
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_empty.index(b))
+        if not DEFER_STORE:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(b))
         c += n
         i += 1
+    if DEFER_STORE:
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit(do_not_specialize=BY_LENGTH + ("BATCH_HEADS", ))
 def flash_fwd_persistent_gluon_kernel(
     q_desc, k_desc, v_desc, o_desc, L_ptr, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS, scale, BATCH_HEADS, HEAD_GROUP, TAIL,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, is_causal: gl.constexpr,
-    Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, num_warps: gl.constexpr,
+    Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr, DEFER_STORE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid (programs,): BATCH_HEADS × (N_QUERIES / BLOCK_M) work items, item w of a program every grid's width,
     in `grouped_item`'s order (HEAD_GROUP, TAIL). Views and L as `flash_fwd_gluon_kernel`'s dense call (Nq a multiple
@@ -195,7 +204,7 @@ def flash_fwd_persistent_gluon_kernel(
     gl.warp_specialize([
         (_pfwd_consumer, (o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k, empty_v,
                           turn, scale, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
-                          BLOCK_M, BLOCK_N, D, STAGES, is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)),
+                          BLOCK_M, BLOCK_N, D, STAGES, is_causal, Q_INSIDE, K_INSIDE, V_INSIDE, DEFER_STORE)),
         (_pfwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k,
                           empty_v, BATCH_HEADS, N_Q_TILES, HEAD_GROUP, TAIL, N_HEADS, KV_GROUP, N_QUERIES, N_KEYS,
                           BLOCK_M, BLOCK_N, D, STAGES, is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)),

@@ -584,7 +584,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config):
+def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config, defer_store: bool = False):
     """`_fwd_launch_plan` for the persistent forward (`flash_fwd_persistent_gluon_kernel`, one consumer warpgroup:
     config (BLOCK_M, BLOCK_N, 4, STAGES)): a grid of PERSISTENT_PROGRAMS_PER_SM programs per SM (at most one per
     query tile; one per tile without a device, a CPU compile)."""
@@ -597,8 +597,8 @@ def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config):
     if heads_inside(o4) != heads_inside(q4):
         raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
-                      Q_INSIDE=heads_inside(q4), K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4), num_warps=4,
-                      **_fwd_options(1))
+                      Q_INSIDE=heads_inside(q4), K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4),
+                      DEFER_STORE=defer_store, num_warps=4, **_fwd_options(1))
     items = batch * heads * (n_q // block_m)
     device = q4.device.index if q4.is_cuda else None
     programs = items if device is None else min(items, PERSISTENT_PROGRAMS_PER_SM * _sm_count(device))
@@ -607,14 +607,15 @@ def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config):
     rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
     tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
     template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, batch * heads, group, tail)
-    key = ("pfwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, stages, is_causal, heads, heads // kv_heads,
-           n_q, n_k, lse.data_ptr() % 16 == 0, group, tail, *(row_stride(t) for t in (q4, k4, v4, o4)))
+    key = ("pfwd", defer_store, q4.device.index, grid, q4.dtype, d, block_m, block_n, stages, is_causal, heads,
+           heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, group, tail,
+           *(row_stride(t) for t in (q4, k4, v4, o4)))
     return flash_fwd_persistent_gluon_kernel, grid, template, constexprs, key
 
 
-def persistent_forward_launch(is_causal: bool, config, cached: bool = True) -> Launch:
+def persistent_forward_launch(is_causal: bool, config, cached: bool = True, defer_store: bool = False) -> Launch:
     """The persistent forward's launches at one call signature (as `forward_launch`'s)."""
-    return Launch(lambda tensors: _pfwd_launch_plan(tensors, is_causal, config), cached)
+    return Launch(lambda tensors: _pfwd_launch_plan(tensors, is_causal, config, defer_store), cached)
 
 
 def forward(q4, k4, v4, o4, lse, is_causal: bool, scale: float, config=None, cached: bool = True,
