@@ -355,6 +355,50 @@ def test_parameter_used_on_some_ranks_only(bucketed_edges, variant):
             torch.testing.assert_close(value, model.state_dict()[name], **TOL, msg=f"rank {rank} {name}")
 
 
+class SwapModel(nn.Module):
+    """Two linear layers of one shape, in an order the caller picks: the gradients become ready in the reverse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.q = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, p_first: bool) -> torch.Tensor:
+        return self.q(self.p(x)) if p_first else self.p(self.q(x))
+
+
+def individual_swapped_worker(ctx) -> str:
+    """DDPIndividualParameters where the ranks' gradients become ready in different orders (the same count and
+    sizes, so the all-reduces pair up and complete): the RuntimeError's message on this rank."""
+    torch.manual_seed(0)
+    ddp = DDPIndividualParameters(SwapModel())
+    ddp(torch.ones(2, 4), p_first=True).sum().backward()  # the same graph on every rank first: no error
+    ddp.finish_gradient_synchronization()
+    ddp(torch.ones(2, 4), p_first=ctx.rank == 0).sum().backward()
+    try:
+        ddp.finish_gradient_synchronization()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def individual_unused_worker(ctx) -> None:
+    """DDPIndividualParameters where `b` gets a gradient on rank 0 only: raises (the launcher reports it)."""
+    torch.manual_seed(0)
+    ddp = DDPIndividualParameters(BranchModel())
+    ddp(torch.ones(2, 4), use_b=ctx.rank == 0).sum().backward()
+    ddp.finish_gradient_synchronization()
+
+
+def test_individual_parameters_refuses_ranks_that_ran_different_graphs():
+    """Averages of different parameters' gradients are never handed back: gradients ready in another order on each
+    rank (all-reduces that pair and complete, wrongly) and a gradient on one rank only both raise on every rank."""
+    messages = launch(individual_swapped_worker, WORLD_SIZE, backend="gloo", timeout_s=120, num_threads=1)
+    for message in messages:
+        assert "ranks all-reduced different gradients this step (4 gradients each, but not the same ones" in message
+    with pytest.raises(WorkerError, match=r"different gradients this step \(between 4 and 6 gradients\)"):
+        launch(individual_unused_worker, WORLD_SIZE, backend="gloo", timeout_s=120, num_threads=1)
+
+
 def test_bucketed_follows_a_cast_after_wrapping(bucketed_edges):
     """Cast to float64 after wrapping: buckets of float64, gradients averaged without a float32 rounding."""
     for results in bucketed_edges:

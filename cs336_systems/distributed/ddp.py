@@ -32,9 +32,9 @@ A parameter that got a gradient on some ranks only ends with the average on ever
 zeros), as under PyTorch's DDP with `find_unused_parameters`; one that got none anywhere keeps `grad=None`.
 `NaiveDDP` and `FlatDDP` all-reduce a flag per parameter first to agree on which; `DDPBucketed` launches its buckets
 in one order on every rank with the flags inside them, a missing gradient reduced as zeros (a bucket that never
-filled during backward inside `finish_gradient_synchronization()`). `DDPIndividualParameters` assumes, as
-PyTorch's DDP without `find_unused_parameters` does, that every rank runs the same graph: the same parameters get
-gradients in the same order.
+filled during backward inside `finish_gradient_synchronization()`). `DDPIndividualParameters` needs, as
+PyTorch's DDP without `find_unused_parameters` does, every rank to run the same graph (the same parameters get
+gradients in the same order); its `finish_gradient_synchronization()` checks that and raises where ranks differ.
 The price of the one order: a parameter that gets no gradient holds back the buckets after it until
 `finish_gradient_synchronization()` (no overlap for them in that step).
 """
@@ -202,14 +202,33 @@ class FlatDDP(DataParallelBase):
                 g.copy_(piece.view_as(g))
 
 
+# the order check's hash of the parameters' positions: a polynomial over them modulo a prime below 2^61 (int64)
+_ORDER_BASE = 1_000_003
+_ORDER_PRIME = 2**61 - 1
+
+
 class DDPIndividualParameters(DataParallelBase):
-    """Async all-reduce of each gradient from its post-accumulate-grad hook, overlapping backward."""
+    """Async all-reduce of each gradient from its post-accumulate-grad hook, overlapping backward.
+
+    The all-reduces pair up across ranks by the order they are issued in, so every rank must issue the same
+    gradients in the same order (run the same graph). `finish_gradient_synchronization()` checks that first, over a
+    Gloo group of its own (a few bytes on the host, apart from the gradients' group, which a mismatch may leave
+    waiting): where the ranks differ it raises a RuntimeError on every rank instead of handing back averages of
+    different parameters' gradients."""
 
     def __init__(self, module: nn.Module, broadcast_buffers: bool = True) -> None:
         super().__init__(module, broadcast_buffers)
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
         self._launched: set[int] = set()  # id() of parameters whose gradient is in flight this step
+        self._order = 0  # the hash of the positions (in self.params) of the gradients launched this step, in order
+        self._positions = {id(p): i for i, p in enumerate(self.params)}
+        # (new_group is collective: every rank constructs its wrapper)
+        self._check_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._register_gradient_hooks()
+
+    def _parameters_changed(self) -> None:
+        super()._parameters_changed()
+        self._positions = {id(p): i for i, p in enumerate(self.params)}
 
     @property
     def num_pending(self) -> int:
@@ -225,15 +244,37 @@ class DDPIndividualParameters(DataParallelBase):
                 "backward passes is not supported); call it after every backward"
             )
         self._launched.add(id(param))
+        self._order = (self._order * _ORDER_BASE + self._positions[id(param)] + 1) % _ORDER_PRIME
         grad = param.grad
         grad.div_(self.world_size)
         self._pending.append((grad, dist.all_reduce(grad, op=dist.ReduceOp.SUM, async_op=True)))
 
     def finish_gradient_synchronization(self) -> None:
+        launched, order = len(self._pending), self._order
+        self._order = 0
+        if self._check_group is not None:
+            self._check_same_gradients(launched, order)
         for _, work in self._pending:
             work.wait()
         self._pending.clear()
         self._launched.clear()
+
+    def _check_same_gradients(self, launched: int, order: int) -> None:
+        """RuntimeError on every rank unless every rank launched the same gradients in the same order this step."""
+        seen = torch.tensor([launched, order, -launched, -order], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._check_group)
+        most, highest, fewest, lowest = seen[0].item(), seen[1].item(), -seen[2].item(), -seen[3].item()
+        if most != fewest or highest != lowest:
+            self._pending.clear()  # (not waited for: a rank may never issue their partners)
+            self._launched.clear()
+            what = (f"between {fewest} and {most} gradients" if most != fewest
+                    else f"{most} gradients each, but not the same ones in the same order")
+            raise RuntimeError(
+                f"{type(self).__name__}: the ranks all-reduced different gradients this step ({what}), so the "
+                "all-reduces paired different parameters' gradients and the averages are wrong. It needs every "
+                "rank to run the same graph (the same parameters getting gradients, in the same order); "
+                "DDPBucketed, NaiveDDP and FlatDDP take parameters that get gradients on some ranks only. The "
+                "process group is out of step: start the ranks again.")
 
 
 def sparse_gradient_modules(module: nn.Module) -> list[str]:
