@@ -659,6 +659,69 @@ def test_gluon_forward_runs_one_warpgroup_over_short_key_loops(d, n_k, windowed,
     assert (constexprs.get("maxnreg") == configs.ONE_WARPGROUP_MAXNREG) == (warps == 4)
 
 
+# (batch, heads, kv heads, Nq, Nk, d, layouts): more tiles than resident programs, so that programs loop; GQA with
+# fewer queries than keys; a model's layout and a fused projection's
+PERSISTENT_CASES = {
+    "d64": (8, 16, 16, 512, 512, 64, ""),
+    "d128": (8, 16, 16, 512, 512, 128, ""),
+    "gqa_fewer_queries": (4, 8, 2, 256, 1024, 64, ""),
+    "more_queries": (2, 4, 4, 1024, 256, 128, ""),
+    "model_layout": (16, 12, 12, 256, 256, 64, "q,k,v"),
+    "fused_gqa": (4, 8, 2, 512, 512, 128, "fused"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+def test_gluon_persistent_forward_meets_2x_rule(case, is_causal):
+    """The persistent forward (immediate and deferred O-store waits) against float64 by the 2x rule, L against the
+    shipped forward's; O where Q lies."""
+    from cs336_systems.flash import gluon as flash_gluon
+    from cs336_systems.flash.gluon import configs, interface
+    from cs336_systems.flash.launch import empty_like
+    from cs336_systems.flash_triton import flash_forward_triton
+
+    b, h, h_kv, n_q, n_k, d, layouts = PERSISTENT_CASES[case]
+    q = randn_cuda(b, h, n_q, d, seed=60, dtype=torch.bfloat16)
+    k, v = (randn_cuda(b, h_kv, n_k, d, seed=61 + i, dtype=torch.bfloat16) for i in range(2))
+    if layouts:
+        q, k, v = _in_layouts({"q": q, "k": k, "v": v}, layouts).values()
+    config = configs.ONE_WARPGROUP_FWD_CONFIGS[d]
+    assert flash_gluon.fwd_supported(q, k, v, config)
+    exact = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=is_causal,
+                                           enable_gqa=h != h_kv)
+    base = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=h != h_kv)
+    _, lse_ref = flash_forward_triton(q, k, v, is_causal)
+    for defer in (False, True):
+        o, lse = empty_like(q), torch.empty(b * h, n_q, device=q.device)
+        interface.persistent_forward_launch(is_causal, config, defer_store=defer)((q, k, v, o, lse), d ** -0.5)
+        assert o.stride() == empty_like(q).stride()
+        assert rel_err(o, exact) <= 2 * rel_err(base, exact) + 1e-6, (
+            f"defer {defer}: O relative error {rel_err(o, exact):.3g} vs SDPA's {rel_err(base, exact):.3g}")
+        torch.testing.assert_close(lse.view_as(lse_ref), lse_ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_persistent_forward_plans_a_program_per_tile_without_a_device(d):
+    """The persistent forward's plan: one consumer warpgroup at ONE_WARPGROUP_MAXNREG, its constexprs in the kernel's
+    order (the cached launch passes them positionally), a program per query tile where no device says how many SMs
+    there are (a CPU compile), the work items' count and order (batch·heads, HEAD_GROUP, TAIL) as run-time arguments;
+    other warp counts refused. CPU placeholders."""
+    from cs336_systems.flash.gluon import configs, interface
+
+    q = torch.empty(3, 2, 512, d, dtype=torch.bfloat16)
+    lse = torch.empty(6, 512)
+    config = configs.ONE_WARPGROUP_FWD_CONFIGS[d]
+    kernel, grid, template, constexprs, key = interface._pfwd_launch_plan((q, q, q, q, lse), True, config)
+    assert grid == (3 * 2 * 512 // config[0], 1, 1) and constexprs["maxnreg"] == configs.ONE_WARPGROUP_MAXNREG
+    assert [n for n in constexprs if n not in interface.COMPILE_OPTIONS] == [
+        p.name for p in kernel.params if p.is_constexpr]
+    assert template[-3:] == (6, 6, 6) and key[0] == "pfwd"
+    with pytest.raises(ValueError, match="one consumer warpgroup"):
+        interface._pfwd_launch_plan((q, q, q, q, lse), True, (64, 128, 8, 2))
+
+
 @pytest.mark.parametrize("qrows, single", [(False, True), (False, False), (True, False), (True, True)],
                          ids=["single-pass-keys", "kv-keys", "kv-qrows", "single-pass-qrows"])
 def test_gluon_dk_dv_passes_plan_heads_inside_tensors_where_they_lie(qrows, single):

@@ -15,8 +15,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.flash import background
 from cs336_systems.flash.c_launch import CLaunch
-from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, ONE_WARPGROUP_MAXNREG, QROWS_CONFIGS, \
-    SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS, fwd_config, heads_inside, kv_configs, row_stride
+from cs336_systems.flash.gluon.configs import CONFIGS, FWD_CONFIGS, GL_DTYPES, ONE_WARPGROUP_FWD_CONFIGS, \
+    ONE_WARPGROUP_MAXNREG, QROWS_CONFIGS, SINGLE_PASS_CONFIGS, SINGLE_PASS_KEYS_CONFIGS, fwd_config, heads_inside, \
+    kv_configs, row_stride
 from cs336_systems.flash.gluon.flash_bwd_kv import flash_bwd_kv_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluon_kernel
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
@@ -128,6 +129,12 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
         _, _, template, constexprs, _ = _fwd_launch_plan(tensors, causal, config, band)
         args = _arguments(template, tensors, d ** -0.5)
         return flash_fwd_gluon_kernel, args, constexprs, 4 * constexprs["WARPGROUPS"] + 1, config  # + the producer
+    if name == "flash_fwd_persistent_gluon":
+        config = ONE_WARPGROUP_FWD_CONFIGS[d]
+        tensors = (x, x, x, x, lse)
+        _, _, template, constexprs, _ = _pfwd_launch_plan(tensors, causal, config)
+        args = _arguments(template, tensors, d ** -0.5)
+        return flash_fwd_persistent_gluon_kernel, args, constexprs, 5, config  # one consumer warpgroup + the producer
     if name == "flash_fwd_packed_gluon":  # (two sequences of seq / 2 tokens)
         config = FWD_CONFIGS[d]
         packed = torch.empty(seq, heads, d, dtype=dtype)
@@ -161,7 +168,7 @@ def example_launch(name: str, dtype: torch.dtype, heads: int, seq: int, d: int, 
 # each Gluon kernel's configs by head dim (the head dims it runs); a kernel's windowed and packed launches compile
 # other code (HAS_WINDOW, IS_VARLEN) and are named apart
 GLUON_KERNELS = {"flash_fwd_gluon": FWD_CONFIGS, "flash_fwd_window_gluon": FWD_CONFIGS,
-                 "flash_fwd_packed_gluon": FWD_CONFIGS,
+                 "flash_fwd_packed_gluon": FWD_CONFIGS, "flash_fwd_persistent_gluon": ONE_WARPGROUP_FWD_CONFIGS,
                  "flash_bwd_kv_gluon": CONFIGS, "flash_bwd_kv_qrows_gluon": QROWS_CONFIGS,
                  "flash_bwd_single_pass_gluon": SINGLE_PASS_CONFIGS,
                  "flash_bwd_single_pass_keys_gluon": SINGLE_PASS_KEYS_CONFIGS,
