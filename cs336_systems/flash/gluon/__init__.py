@@ -90,14 +90,17 @@ own, the device code of several kernels in a module of its own, the tile order's
                          (`Launch`, C launches, TMA descriptors by address), the launch plans and launchers `kv_pass`,
                          `kv_launch`, `forward`, `forward_launch`, `packed_kv_pass`, `packed_forward` (and their slot
                          tables), `example_launch`, `GLUON_KERNELS`
-  common                 device code of several kernels: the program order (`grouped_program`), a dK/dV program's key
-                         tile, query tiles, loads and epilogue, a packed sequence's bounds, masked row stores, the TMA
-                         bulk reduction
+  common                 device code of several kernels: the program order (`grouped_program`, `grouped_item`), a
+                         dK/dV program's key tile, query tiles, loads and epilogue, a packed sequence's bounds, masked
+                         row stores, the TMA bulk reduction
   flash_bwd_kv           the dK/dV pass with the keys on rows (`flash_bwd_kv_gluon_kernel`)
   flash_bwd_kv_qrows     the dK/dV pass with the queries on rows and its single pass (`flash_bwd_kv_qrows_gluon_kernel`)
   flash_bwd_single_keys  the single pass with the keys on rows (band and packed programs, loader warp, dQ warp,
                          compute tile, kernel: `flash_bwd_single_keys_gluon_kernel`)
   flash_fwd              the forward (producer, softmax step, consumer, kernel: `flash_fwd_gluon_kernel`)
+  flash_fwd_persistent   the forward of one consumer warpgroup in a persistent grid, each program looping over query
+                         tiles (`flash_fwd_persistent_gluon_kernel`, `persistent_forward_launch`): not routed, an
+                         A/B against the one-program-per-tile forward at short calls, whose result decides it
 
 The names the launches read at call time (`fwd_head_groups`, `kv_head_groups`, `DESCRIPTORS_PER_ARGUMENT`) are not
 re-exported here: a copy on the package would take a patch that the launches never see; patch `interface`.
