@@ -66,7 +66,7 @@ def _band_rows(offs, before, after, n_other):
 
 @gluon.jit
 def fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
-                 band, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+                band, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
     tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. With EDGES (a window or packed
     sequences; band: (left, right, keys), causal folded in) query i sees key j iff i - left <= j <= i + right and
@@ -201,7 +201,7 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(s0))
     p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, k_first + t0 * BLOCK_N, first, qk_scale, BLOCK_N,
-                                      is_causal, band, EDGES, IS_VARLEN)
+                                     is_causal, band, EDGES, IS_VARLEN)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), (t0 + 1) & 1, pred=n > 1)
     for j in range(1, n):
@@ -216,7 +216,7 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_t read
         p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, k_first + t * BLOCK_N, first, qk_scale, BLOCK_N,
-                                          is_causal, band, EDGES, IS_VARLEN)
+                                         is_causal, band, EDGES, IS_VARLEN)
         # the turn for the next tile's matmuls, taken before the wait for P_{t-1}·V_{t-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
