@@ -703,7 +703,7 @@ def test_gluon_persistent_forward_meets_2x_rule(case, is_causal):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_gluon_persistent_forward_plans_a_program_per_tile_without_a_device(d):
+def test_gluon_persistent_forward_plans_a_program_per_tile_without_a_device(d, monkeypatch):
     """The persistent forward's plan: one consumer warpgroup at ONE_WARPGROUP_MAXNREG, its constexprs in the kernel's
     order (the cached launch passes them positionally), a program per query tile where no device says how many SMs
     there are (a CPU compile), the work items' count and order (batch·heads, HEAD_GROUP, TAIL) as run-time arguments;
@@ -718,6 +718,15 @@ def test_gluon_persistent_forward_plans_a_program_per_tile_without_a_device(d):
     assert [n for n in constexprs if n not in interface.COMPILE_OPTIONS] == [
         p.name for p in kernel.params if p.is_constexpr]
     assert template[-3:] == (6, 6, 6) and key[0] == "pfwd"
+    # a batch of another size on a device whose resident programs give both batches one grid: another key all the
+    # same (the template's batch·heads argument is fixed per key: a shared key would run the first batch's items)
+    monkeypatch.setattr(interface, "_persistent_programs", lambda items, device_index: 264)
+    monkeypatch.setattr(interface, "fwd_head_groups", lambda *args: (1, 1))
+    other = torch.empty(4, 2, 512, d, dtype=torch.bfloat16)
+    _, grid, _, _, key = interface._pfwd_launch_plan((q, q, q, q, lse), True, config)
+    _, other_grid, other_template, _, other_key = interface._pfwd_launch_plan((other, other, other, other, lse),
+                                                                               True, config)
+    assert grid == other_grid and other_key != key and other_template[-3] == 8
     with pytest.raises(ValueError, match="one consumer warpgroup"):
         interface._pfwd_launch_plan((q, q, q, q, lse), True, (64, 128, 8, 2))
 
