@@ -65,8 +65,8 @@ def _band_rows(offs, before, after, n_other):
 
 
 @gluon.jit
-def fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
-                band, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _fwd_softmax(sc, m_i, l_i, offs_m, k_start, first, qk_scale, BLOCK_N: gl.constexpr, is_causal: gl.constexpr,
+                 band, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """P (fp32), the new running max (base 2), sum and the factor exp2(m_old - m_new) for one S tile; on a
     tile that crosses this warpgroup's causal diagonal, query i sees key j iff i >= j. With EDGES (a window or packed
     sequences; band: (left, right, keys), causal folded in) query i sees key j iff i - left <= j <= i + right and
@@ -176,7 +176,38 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
               EDGES: gl.constexpr, IS_VARLEN: gl.constexpr, WARPGROUPS: gl.constexpr, ROLE: gl.constexpr):
     """Consumer ROLE's rows from query `first` (some of them before n_q): S, P and O over the program's key tiles t0
     to t0 + n - 1 (tile t from key k_first + t·BLOCK_N, in stage t % STAGES), then O and L stored."""
-    dtype: gl.constexpr = o_desc.dtype
+    o, m_i, l_i, offs_m = fwd_mainloop(q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, first,
+                                       k_first, t0, 0, n, scale, band, None, BLOCK_M, BLOCK_N, D, STAGES, is_causal,
+                                       EDGES, IS_VARLEN, WARPGROUPS, ROLE, False)
+    if IS_VARLEN:  # a row whose sequence holds no key it sees: O = 0, L = -inf
+        seen = l_i > 0
+        m_i = gl.where(seen, m_i, float("-inf"))
+        l_i = gl.where(seen, l_i, 1.0)
+    o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o.type.layout)), 1)
+    row = q_row + ROLE * BLOCK_M
+    if IS_VARLEN:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
+        if first + BLOCK_M <= n_q:
+            _fwd_store_o(o, q_tile, o_desc, row, q_col)
+        else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
+            store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
+    else:
+        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
+        _fwd_store_o(o, q_tile, o_desc, row, q_col)
+
+
+@gluon.jit
+def fwd_mainloop(q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, first, k_first, t0, ring_first, n,
+                 scale, band, released, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr, is_causal: gl.constexpr, EDGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+                 WARPGROUPS: gl.constexpr, ROLE: gl.constexpr, RELEASE: gl.constexpr):
+    """A consumer warpgroup's S, P and O for BLOCK_M query rows from `first` over n key tiles from ring slot t0 (the
+    ring's stages and phases count slots: slot t in stage t % STAGES), slot t holding the keys from
+    k_first + (t - ring_first)·BLOCK_N. Returns O (fp32, not yet divided by the row sums), the row max (base 2), the
+    row sums and the rows' query indices. With RELEASE, `released` (a barrier, and whether to arrive on it) is
+    arrived on once the first S is issued and the TMA stores in flight have read their shared memory (a persistent
+    program frees its previous tile's Q buffer, through which that tile's O went out)."""
+    dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -198,10 +229,15 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
     mbarrier.wait(ready_k.index(s0), (t0 // STAGES) & 1)
     sc = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
+    if RELEASE:
+        bar, live = released
+        if live:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(bar)
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(empty_k.index(s0))
-    p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, k_first + t0 * BLOCK_N, first, qk_scale, BLOCK_N,
-                                     is_causal, band, EDGES, IS_VARLEN)
+    p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + (t0 - ring_first) * BLOCK_N, first, qk_scale,
+                                      BLOCK_N, is_causal, band, EDGES, IS_VARLEN)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     mbarrier.wait(turn.index(ROLE), (t0 + 1) & 1, pred=n > 1)
     for j in range(1, n):
@@ -215,8 +251,8 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
         mbarrier.arrive(turn.index((ROLE + 1) % WARPGROUPS))
         sc = warpgroup_mma_wait(1, deps=(sc, ))
         mbarrier.arrive(empty_k.index(s))  # K_t read
-        p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, k_first + t * BLOCK_N, first, qk_scale, BLOCK_N,
-                                         is_causal, band, EDGES, IS_VARLEN)
+        p, m_i, l_i, alpha = _fwd_softmax(sc, m_i, l_i, offs_m, k_first + (t - ring_first) * BLOCK_N, first,
+                                          qk_scale, BLOCK_N, is_causal, band, EDGES, IS_VARLEN)
         # the turn for the next tile's matmuls, taken before the wait for P_{t-1}·V_{t-1}: a wait for every
         # matmul with nothing in between ptxas would move ahead of the exponentials above, and a barrier
         # wait (a branch) keeps it here
@@ -231,22 +267,7 @@ def _fwd_rows(o_desc, O_ptr, q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, 
     o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
     o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
     mbarrier.arrive(empty_v.index(sl))
-
-    if IS_VARLEN:  # a row whose sequence holds no key it sees: O = 0, L = -inf
-        seen = l_i > 0
-        m_i = gl.where(seen, m_i, float("-inf"))
-        l_i = gl.where(seen, l_i, 1.0)
-    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    row = q_row + ROLE * BLOCK_M
-    if IS_VARLEN:
-        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < n_q)
-        if first + BLOCK_M <= n_q:
-            _fwd_store_o(o, q_tile, o_desc, row, q_col)
-        else:  # the sequence's last rows: from registers (the rows after them are the next sequence's)
-            store_rows(O_ptr, o, row, q_col, n_q - first, row_stride)
-    else:
-        gl.store(L_ptr + l_row + offs_m, (m_i + gl.log2(l_i)) * LN2)
-        _fwd_store_o(o, q_tile, o_desc, row, q_col)
+    return o, m_i, l_i, offs_m
 
 
 @gluon.jit(do_not_specialize=BY_LENGTH + ("WINDOW_LEFT", "WINDOW_RIGHT", "N_SEQS"))

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from cs336_systems.flash.gluon.common import BY_LENGTH, LOG2E, grouped_item, head_tile, kv_tiles_at
-from cs336_systems.flash.gluon.flash_fwd import LN2, fwd_softmax
+from cs336_systems.flash.gluon.common import BY_LENGTH, grouped_item, head_tile, kv_tiles_at
+from cs336_systems.flash.gluon.flash_fwd import LN2, fwd_mainloop
 
 # ----------------------------------------------------------------------------------------------
 # The persistent forward: one consumer warpgroup, a producer warp, a grid of resident programs
@@ -87,18 +86,8 @@ def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, read
                    is_causal: gl.constexpr, Q_INSIDE: gl.constexpr, K_INSIDE: gl.constexpr, V_INSIDE: gl.constexpr,
                    DEFER_STORE: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    qk_scale = scale * LOG2E
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    no_band = (0, 0, 0)  # (fwd_softmax's band: unused without EDGES)
-
-    mbarrier.arrive(turn)  # the first tile's turn
+    no_band = (0, 0, 0)  # (the mainloop's band: unused without EDGES)
+    mbarrier.arrive(turn.index(0))  # the first tile's turn
     c = 0
     i = 0
     for w in range(gl.program_id(0), BATCH_HEADS * N_Q_TILES, gl.num_programs(0)):
@@ -107,54 +96,13 @@ def _pfwd_consumer(o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, read
             is_causal, Q_INSIDE, K_INSIDE, V_INSIDE)
         b = i % 2
         q_tile = q_smem.index(b)
-        offs_m = first + gl.arange(0, BLOCK_M, layout=row_s)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-        o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
         mbarrier.wait(q_ready.index(b), (i // 2) & 1)
-
-        # the item's first key tile: S only (there is no P·V before it)
-        s0 = c % STAGES
-        mbarrier.wait(turn, c & 1)
-        mbarrier.wait(ready_k.index(s0), (c // STAGES) & 1)
-        sc = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.arrive(turn)
-        if DEFER_STORE:  # the previous item's O store, issued before this item began, has read its buffer by now
-            if i > 0:
-                tma.store_wait(pendings=0)
-                mbarrier.arrive(q_empty.index(1 - b))
-        sc = warpgroup_mma_wait(0, deps=(sc, ))
-        mbarrier.arrive(empty_k.index(s0))
-        p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, 0, first, qk_scale, BLOCK_N, is_causal, no_band,
-                                         False, False)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(turn, (c + 1) & 1, pred=n > 1)
-        for j in range(1, n):
-            t = c + j
-            s = t % STAGES
-            sp = (t - 1) % STAGES
-            mbarrier.wait(ready_k.index(s), (t // STAGES) & 1)
-            sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(ready_v.index(sp), ((t - 1) // STAGES) & 1)
-            o = warpgroup_mma(p_op, v_smem.index(sp), o, is_async=True)
-            mbarrier.arrive(turn)
-            sc = warpgroup_mma_wait(1, deps=(sc, ))
-            mbarrier.arrive(empty_k.index(s))  # K_t read
-            p, m_i, l_i, alpha = fwd_softmax(sc, m_i, l_i, offs_m, j * BLOCK_N, first, qk_scale, BLOCK_N, is_causal,
-                                             no_band, False, False)
-            mbarrier.wait(turn, (t + 1) & 1, pred=j + 1 < n)
-            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-            mbarrier.arrive(empty_v.index(sp))  # V_{t-1} read
-            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        tl = c + n - 1
-        sl = tl % STAGES
-        mbarrier.wait(ready_v.index(sl), (tl // STAGES) & 1)
-        o = warpgroup_mma(p_op, v_smem.index(sl), o, is_async=True)
-        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-        mbarrier.arrive(empty_v.index(sl))
-
-        o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        # (DEFER_STORE: the previous item's O store, issued before this item began, frees its buffer once the first
+        # S is issued)
+        o, m_i, l_i, offs_m = fwd_mainloop(q_tile, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, turn, first,
+                                           0, c, c, n, scale, no_band, (q_empty.index(1 - b), i > 0), BLOCK_M,
+                                           BLOCK_N, D, STAGES, is_causal, False, False, 1, 0, DEFER_STORE)
+        o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o.type.layout)), 1)
         gl.store(L_ptr + batch_head * N_QUERIES + offs_m, (m_i + gl.log2(l_i)) * LN2)
         # O out through Q's buffer (its matmuls done); the buffer is the producer's again once the store has read it
         q_tile.store(o.to(dtype))
@@ -190,7 +138,7 @@ def flash_fwd_persistent_gluon_kernel(
     ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -199,7 +147,7 @@ def flash_fwd_persistent_gluon_kernel(
         mbarrier.init(ready_v.index(i), count=1)
         mbarrier.init(empty_k.index(i), count=1)
         mbarrier.init(empty_v.index(i), count=1)
-    mbarrier.init(turn, count=1)
+    mbarrier.init(turn.index(0), count=1)
 
     gl.warp_specialize([
         (_pfwd_consumer, (o_desc, L_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, ready_k, ready_v, empty_k, empty_v,
