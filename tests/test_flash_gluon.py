@@ -720,7 +720,7 @@ def test_gluon_persistent_forward_plans_a_program_per_tile_without_a_device(d, m
     assert template[-3:] == (6, 6, 6) and key[0] == "pfwd"
     # a batch of another size on a device whose resident programs give both batches one grid: another key all the
     # same (the template's batch·heads argument is fixed per key: a shared key would run the first batch's items)
-    monkeypatch.setattr(interface, "_persistent_programs", lambda items, device_index: 264)
+    monkeypatch.setattr(interface, "persistent_programs", lambda items, device_index: 264)
     monkeypatch.setattr(interface, "fwd_head_groups", lambda *args: (1, 1))
     other = torch.empty(4, 2, 512, d, dtype=torch.bfloat16)
     _, grid, _, _, key = interface._pfwd_launch_plan((q, q, q, q, lse), True, config)

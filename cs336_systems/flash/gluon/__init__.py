@@ -85,7 +85,8 @@ own, the device code of several kernels in a module of its own, the tile order's
   configs                the tile configs per kernel and head dim, the dense forward's per call (`fwd_config`);
                          `supported`, `fwd_supported`, `packed_supported`, `packed_fwd_supported`
   heuristics             the order programs start in: `head_groups`, `wave_groups`, `wave_tail_groups` (`wave_size`,
-                         `tail_group`), `kv_head_groups`, `fwd_head_groups`
+                         `tail_group`), `kv_head_groups`, `fwd_head_groups`; the persistent forward's grid
+                         (`persistent_programs`)
   interface              the launches: argument templates over the call's tensors, the compiled launches per signature
                          (`Launch`, C launches, TMA descriptors by address), the launch plans and launchers `kv_pass`,
                          `kv_launch`, `forward`, `forward_launch`, `packed_kv_pass`, `packed_forward` (and their slot
@@ -102,8 +103,9 @@ own, the device code of several kernels in a module of its own, the tile order's
                          tiles (`flash_fwd_persistent_gluon_kernel`, `persistent_forward_launch`): not routed, an
                          A/B against the one-program-per-tile forward at short calls, whose result decides it
 
-The names the launches read at call time (`fwd_head_groups`, `kv_head_groups`, `DESCRIPTORS_PER_ARGUMENT`) are not
-re-exported here: a copy on the package would take a patch that the launches never see; patch `interface`.
+The names the launches read at call time (`fwd_head_groups`, `kv_head_groups`, `persistent_programs`,
+`DESCRIPTORS_PER_ARGUMENT`) are not re-exported here: a copy on the package would take a patch that the launches
+never see; patch `interface`.
 """
 
 from cs336_systems.flash.gluon.configs import (

@@ -1,5 +1,6 @@
-"""The order the Gluon kernels start their programs in (`common.grouped_program`'s (HEAD_GROUP, TAIL)): small
-functions of a call's sizes and the device's L2 and SM count (the package docstring has the rules)."""
+"""The order the Gluon kernels start their programs in (`common.grouped_program`'s (HEAD_GROUP, TAIL)) and the
+persistent forward's grid: small functions of a call's sizes and the device's L2 and SM count (the package docstring
+has the rules)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import functools
 
 import torch
 
+from cs336_systems.flash.chooser import sm_count
+
 # The share of the L2 that the rows a group of heads streams may fill (`grouped_program`, `head_groups`)
 L2_SHARE = 0.5
 # The last group's work per SM, in its longest programs (`head_groups`)
 TAIL_WORK = 1.5
+# Resident programs of the persistent forward per SM (its one consumer warpgroup's register ceiling,
+# ONE_WARPGROUP_MAXNREG, leaves room for two)
+PERSISTENT_PROGRAMS_PER_SM = 2
 
 
 def head_groups(heads: int, bytes_per_head: int, work_per_head: int, longest: int,
@@ -34,6 +40,14 @@ def tail_group(lines: int, group: int, work_per_line: int, longest: int, sms: in
     line where no smaller one does."""
     least = -(-int(TAIL_WORK * longest * sms) // max(work_per_line, 1))
     return next((t for t in range(max(group, least), lines) if (lines - t) % group == 0), lines)
+
+
+def persistent_programs(items: int, device_index: int | None) -> int:
+    """The persistent forward's grid for `items` work items: PERSISTENT_PROGRAMS_PER_SM programs per SM, at most one
+    per item (one per item without a device, a CPU compile); at least one."""
+    if device_index is None:
+        return max(items, 1)
+    return max(min(items, PERSISTENT_PROGRAMS_PER_SM * sm_count(device_index)), 1)
 
 
 def wave_size(lines: int, tiles: int, sms: int) -> int:

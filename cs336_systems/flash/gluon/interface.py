@@ -23,7 +23,7 @@ from cs336_systems.flash.gluon.flash_bwd_kv_qrows import flash_bwd_kv_qrows_gluo
 from cs336_systems.flash.gluon.flash_bwd_single_keys import flash_bwd_single_keys_gluon_kernel
 from cs336_systems.flash.gluon.flash_fwd import flash_fwd_gluon_kernel
 from cs336_systems.flash.gluon.flash_fwd_persistent import flash_fwd_persistent_gluon_kernel
-from cs336_systems.flash.gluon.heuristics import fwd_head_groups, kv_head_groups
+from cs336_systems.flash.gluon.heuristics import fwd_head_groups, kv_head_groups, persistent_programs
 
 
 @functools.cache
@@ -581,27 +581,9 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
     return flash_fwd_gluon_kernel, grid, template, constexprs, key
 
 
-# resident programs of the persistent forward per SM (its one consumer warpgroup's register ceiling,
-# ONE_WARPGROUP_MAXNREG, leaves room for two)
-PERSISTENT_PROGRAMS_PER_SM = 2
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _persistent_programs(items: int, device_index: int | None) -> int:
-    """The persistent forward's grid: PERSISTENT_PROGRAMS_PER_SM programs per SM, at most one per work item (one per
-    item without a device, a CPU compile); at least one."""
-    if device_index is None:
-        return max(items, 1)
-    return max(min(items, PERSISTENT_PROGRAMS_PER_SM * _sm_count(device_index)), 1)
-
-
 def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config, defer_store: bool = False):
     """`_fwd_launch_plan` for the persistent forward (`flash_fwd_persistent_gluon_kernel`, one consumer warpgroup:
-    config (BLOCK_M, BLOCK_N, 4, STAGES)): a grid of `_persistent_programs`."""
+    config (BLOCK_M, BLOCK_N, 4, STAGES)): a grid of `persistent_programs`."""
     q4, k4, v4, o4, lse = tensors
     batch, heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
@@ -613,7 +595,7 @@ def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config, defer_store: bool
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
                       Q_INSIDE=heads_inside(q4), K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4),
                       DEFER_STORE=defer_store, num_warps=4, **_fwd_options(1))
-    grid = (_persistent_programs(batch * heads * (n_q // block_m), q4.device.index if q4.is_cuda else None), 1, 1)
+    grid = (persistent_programs(batch * heads * (n_q // block_m), q4.device.index if q4.is_cuda else None), 1, 1)
     group, tail = fwd_head_groups(q4, k4, is_causal, block_m, block_n)
     rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
     tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
