@@ -550,6 +550,18 @@ def _fwd_options(groups: int) -> dict:
     return {"maxnreg": ONE_WARPGROUP_MAXNREG} if groups == 1 else {}
 
 
+def _fwd_arguments(tensors: tuple, block_m: int, block_n: int) -> tuple:
+    """The dense forwards' first arguments on the call tensors (q4, k4, v4, o4, lse): Q, K, V and O in their tiles, L,
+    heads, the GQA group, Nq, Nk, the scale. O must lie as Q does (the kernels store it at Q's coordinates)."""
+    q4, k4 = tensors[0], tensors[1]
+    if heads_inside(tensors[3]) != heads_inside(q4):
+        raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
+    heads, n_q, kv_heads, n_k = q4.shape[1], q4.shape[2], k4.shape[1], k4.shape[2]
+    rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
+    return (*(_tiles(tensors, i, r) for i, r in enumerate(rows)), _Arg(4), heads, heads // kv_heads, n_q, n_k,
+            _SCALE)
+
+
 def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, int] | None = None):
     """(kernel, grid, argument template, constexprs, cache key) of a forward launch on the call tensors (q4, k4, v4,
     o4, lse) (band: a window's, `chooser.band`)."""
@@ -569,11 +581,7 @@ def _fwd_launch_plan(tensors: tuple, is_causal: bool, config, band: tuple[int, i
         group, tail = fwd_head_groups(q4, k4, is_causal, groups * block_m, block_n)
     else:  # (a window's programs read the band that their neighbours read: the plain order)
         group = tail = batch * heads
-    if heads_inside(o4) != heads_inside(q4):
-        raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
-    rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
-    tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
-    template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, *(band or (0, 0)),
+    template = (*_fwd_arguments(tensors, block_m, block_n), *(band or (0, 0)),
                 _Arg(3), _Arg(4), _Arg(4), _Arg(4), 0, group, tail)  # (_Arg(3) .. 0: a packed call's five)
     key = ("fwd", q4.device.index, grid, q4.dtype, d, block_m, block_n, warps, stages, is_causal, heads,
            heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, band, group, tail,
@@ -590,16 +598,13 @@ def _pfwd_launch_plan(tensors: tuple, is_causal: bool, config, defer_store: bool
     block_m, block_n, warps, stages = config
     if warps != 4:
         raise ValueError(f"the persistent Gluon forward runs one consumer warpgroup (4 warps), got {warps} warps")
-    if heads_inside(o4) != heads_inside(q4):
-        raise ValueError("the Gluon forward stores O where Q lies: o4 must have q4's layout")
+    head = _fwd_arguments(tensors, block_m, block_n)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, is_causal=is_causal,
                       Q_INSIDE=heads_inside(q4), K_INSIDE=heads_inside(k4), V_INSIDE=heads_inside(v4),
                       DEFER_STORE=defer_store, num_warps=4, **_fwd_options(1))
     grid = (persistent_programs(batch * heads * (n_q // block_m), q4.device.index if q4.is_cuda else None), 1, 1)
     group, tail = fwd_head_groups(q4, k4, is_causal, block_m, block_n)
-    rows = (block_m, block_n, block_n, block_m)  # Q, K, V, O
-    tiles = (_tiles(tensors, i, r) for i, r in enumerate(rows))
-    template = (*tiles, _Arg(4), heads, heads // kv_heads, n_q, n_k, _SCALE, batch * heads, group, tail)
+    template = (*head, batch * heads, group, tail)
     # (batch: the grid no longer holds it, and the template's batch·heads argument is fixed per key)
     key = ("pfwd", defer_store, q4.device.index, grid, q4.dtype, d, block_m, block_n, stages, is_causal, batch,
            heads, heads // kv_heads, n_q, n_k, lse.data_ptr() % 16 == 0, group, tail,
